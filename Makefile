@@ -1,0 +1,34 @@
+# Everything a fresh machine needs: `make test` and `make demo` do their own set-up.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: test lint check bench demo clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch's CPU build, pinned for the test environment (pip takes it from
+	# local disk here); the package itself asks only for a range.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ckpt cli agent tests bench
+	$(VENV)/bin/mypy
+
+check: lint test
+
+bench: $(STAMP)
+	$(PY) bench/pipeline.py
+
+demo: $(STAMP)
+	$(PY) bench/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

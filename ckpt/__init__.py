@@ -1,0 +1,105 @@
+"""gpuckpt's checkpoint library: the repository format, stores, codecs, pins.
+
+Knows nothing of vLLM or of daemons. The public surface is what ``__all__``
+lists; everything else may change without notice.
+"""
+
+from ckpt.blocks import Block, LoadedBlock, Namespace
+from ckpt.compat import Decision, Policy, RuleResult, Verdict, check, decide
+from ckpt.errors import (
+    AccessDenied,
+    CheckpointNotFound,
+    ConfigError,
+    EncryptionError,
+    FormatError,
+    GpuckptError,
+    IncompatibleCheckpoint,
+    IntegrityError,
+    InvalidName,
+    KeyMismatch,
+    KeyMissing,
+    ManifestError,
+    ObjectExists,
+    ObjectNotFound,
+    OperationAborted,
+    RepositoryError,
+    RepositoryExists,
+    RepositoryLocked,
+    RepositoryNotFound,
+    StorageFull,
+    StoreError,
+    StoreUnavailable,
+    UnsupportedVersion,
+)
+from ckpt.fingerprint import host_facts, model_digest, tokenizer_digest
+from ckpt.keys import Keyring, KeySource, generate_key
+from ckpt.load import BlockFailure
+from ckpt.manifest import Ledger, Manifest
+from ckpt.pins import ABSENT, HostFacts, Pins, WorkerFacts
+from ckpt.repository import CheckpointInfo, GcReport, Problem, Repository, VerifyReport
+from ckpt.save import SaveOptions, SaveProgress
+from ckpt.store import LocalStore, MemoryStore, Store
+from ckpt.url import default_repo_url, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABSENT",
+    "AccessDenied",
+    "Block",
+    "BlockFailure",
+    "CheckpointInfo",
+    "CheckpointNotFound",
+    "ConfigError",
+    "Decision",
+    "EncryptionError",
+    "FormatError",
+    "GcReport",
+    "GpuckptError",
+    "HostFacts",
+    "IncompatibleCheckpoint",
+    "IntegrityError",
+    "InvalidName",
+    "KeyMismatch",
+    "KeyMissing",
+    "KeySource",
+    "Keyring",
+    "Ledger",
+    "LoadedBlock",
+    "LocalStore",
+    "Manifest",
+    "ManifestError",
+    "MemoryStore",
+    "Namespace",
+    "ObjectExists",
+    "ObjectNotFound",
+    "OperationAborted",
+    "Pins",
+    "Policy",
+    "Problem",
+    "Repository",
+    "RepositoryError",
+    "RepositoryExists",
+    "RepositoryLocked",
+    "RepositoryNotFound",
+    "RuleResult",
+    "SaveOptions",
+    "SaveProgress",
+    "StorageFull",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "UnsupportedVersion",
+    "Verdict",
+    "VerifyReport",
+    "WorkerFacts",
+    "__version__",
+    "check",
+    "decide",
+    "default_repo_url",
+    "generate_key",
+    "host_facts",
+    "model_digest",
+    "open_store",
+    "tokenizer_digest",
+]

@@ -1,0 +1,310 @@
+"""Compatibility rules: may this checkpoint be loaded warm here?
+
+Each pinned fact (see :mod:`ckpt.pins`) has a :class:`Rule` named exactly like
+the field. :func:`check` runs every rule and gives a :class:`RuleResult` per
+rule with a :class:`Verdict`:
+
+- ``match``: both sides hold the same value (two ABSENT values match);
+- ``mismatch``: the values differ (ABSENT against a value included);
+- ``unknown``: either side is ``None`` (not recorded, or not determinable
+  here), or the rule itself failed.
+
+:func:`decide` applies a :class:`Policy`. The strict default refuses a warm
+restore on any mismatch or unknown: nothing is ever loaded on a guess. A
+policy may *ignore* rules (their verdict is disregarded) or *allow unknown*
+for rules (UNKNOWN accepted, MISMATCH still refuses). A refusal names every
+refusing rule and both values, and means a cold start with ledger replay.
+
+Rules live in the :data:`RULES` registry; :func:`register` adds one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final
+
+from ckpt.errors import ConfigError, IncompatibleCheckpoint
+from ckpt.pins import FactValue, HostFacts, Pins, WorkerFacts
+
+__all__ = [
+    "RULES",
+    "STRICT",
+    "Decision",
+    "Policy",
+    "Rule",
+    "RuleResult",
+    "Verdict",
+    "check",
+    "decide",
+    "equality",
+    "register",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Verdict(StrEnum):
+    """The outcome of one rule."""
+
+    MATCH = "match"
+    MISMATCH = "mismatch"
+    UNKNOWN = "unknown"
+
+
+Comparator = Callable[[FactValue, FactValue], tuple[Verdict, str]]
+"""``compare(recorded, current) -> (verdict, detail)``; must not raise."""
+
+
+def _show(value: FactValue) -> str:
+    if value is None:
+        return "unknown"
+    if value == "":
+        return '""'
+    return str(value)
+
+
+@dataclass(frozen=True)
+class RuleResult:
+    """One rule's verdict, with the value recorded in the checkpoint and the current one."""
+
+    rule: str
+    verdict: Verdict
+    recorded: FactValue
+    current: FactValue
+    detail: str = ""
+
+    @property
+    def line(self) -> str:
+        """One human line, naming the rule, its verdict and both values.
+
+        e.g. ``driver_version: mismatch (checkpoint 550.54.15, here 560.35.03)``;
+        ``None`` shows as ``unknown``.
+        """
+        return (
+            f"{self.rule}: {self.verdict} "
+            f"(checkpoint {_show(self.recorded)}, here {_show(self.current)})"
+        )
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def equality(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
+    """The default comparison.
+
+    ``None`` on either side is UNKNOWN; otherwise equal values (ABSENT and
+    ABSENT included) MATCH and anything else is a MISMATCH.
+    """
+    if recorded is None and current is None:
+        return Verdict.UNKNOWN, "unknown in the checkpoint and here"
+    if recorded is None:
+        return Verdict.UNKNOWN, "not recorded in the checkpoint"
+    if current is None:
+        return Verdict.UNKNOWN, "could not be determined here"
+    if recorded == current:
+        return Verdict.MATCH, ""
+    return Verdict.MISMATCH, "values differ"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A named compatibility rule.
+
+    ``extract`` reads the fact from a :class:`~ckpt.pins.Pins`; ``compare``
+    judges the recorded value against the current one.
+    """
+
+    name: str
+    description: str
+    extract: Callable[[Pins], FactValue]
+    compare: Comparator = equality
+
+    def evaluate(self, recorded: Pins, current: Pins) -> RuleResult:
+        """Run the rule. A rule that raises gives UNKNOWN (which refuses by default)."""
+        old: FactValue = None
+        new: FactValue = None
+        try:
+            old = self.extract(recorded)
+            new = self.extract(current)
+            verdict, detail = self.compare(old, new)
+        except Exception as exc:
+            log.warning("compatibility rule %s failed", self.name, exc_info=True)
+            return RuleResult(self.name, Verdict.UNKNOWN, old, new, f"rule failed: {exc!r}")
+        return RuleResult(self.name, Verdict(verdict), old, new, detail)
+
+
+RULES: dict[str, Rule] = {}
+"""Every rule :func:`check` runs, by name, in the order they were registered."""
+
+
+def register(rule: Rule) -> Rule:
+    """Add a rule to :data:`RULES`. Raises :class:`ValueError` if the name is taken."""
+    if rule.name in RULES:
+        raise ValueError(f"a compatibility rule named {rule.name!r} is already registered")
+    RULES[rule.name] = rule
+    return rule
+
+
+def _host(name: str) -> Callable[[Pins], FactValue]:
+    def extract(pins: Pins) -> FactValue:
+        value: FactValue = getattr(pins.host, name)
+        return value
+
+    return extract
+
+
+def _worker(name: str) -> Callable[[Pins], FactValue]:
+    def extract(pins: Pins) -> FactValue:
+        value: FactValue = getattr(pins.worker, name)
+        return value
+
+    return extract
+
+
+# Why each fact is pinned. Every fact compares by equality.
+_HOST_RULES: Final[Mapping[str, str]] = {
+    "gpu_product": "GPU product: kernels and KV page layout are tuned per GPU.",
+    "gpu_compute_capability": "GPU compute capability: kernels and fp8 formats depend on it.",
+    "gpu_count": "Number of GPUs on the host.",
+    "driver_version": "NVIDIA kernel driver version.",
+    "cuda_driver_version": "CUDA version the driver supports.",
+    "cuda_runtime_version": "CUDA runtime of the engine's torch.",
+    "cpu_isa": "CPU instruction-set level: the CPU backend's page format depends on it.",
+    "cpu_arch": "CPU architecture.",
+    "torch_version": "torch version.",
+}
+_WORKER_RULES: Final[Mapping[str, str]] = {
+    "engine": "Serving engine name.",
+    "engine_version": "Serving engine version: block hashing and layouts change between versions.",
+    "attention_backend": "Attention backend: it decides the KV memory layout.",
+    "kv_layout": "Shape and order of the KV cache tensors.",
+    "block_size": "Tokens per KV block.",
+    "kv_dtype": "Element type of the KV cache.",
+    "tensor_parallel_size": "Tensor-parallel size: each rank holds a slice of the KV heads.",
+    "pipeline_parallel_size": "Pipeline-parallel size: each stage holds a slice of the layers.",
+    "rank": "This worker's rank: which slice of the KV it holds.",
+    "model": (
+        "Model path or name as given to the engine. Advisory: the same model may live "
+        "at different paths, and a path may hold different weights; model_digest is "
+        "what proves identity (ignore this rule when paths differ between hosts)."
+    ),
+    "model_revision": "Model revision (e.g. a Hugging Face commit).",
+    "model_digest": "sha256 over the model's config and weight files: the model's identity.",
+    "tokenizer_digest": "sha256 over the tokenizer files: token ids must mean the same.",
+    "prefix_hash_algo": "Prefix-cache hash algorithm: block keys must be computed the same way.",
+    "prefix_hash_seed": "Seed of the prefix hash chain: block keys must be computed the same way.",
+}
+
+for _name, _description in _HOST_RULES.items():
+    register(Rule(_name, _description, _host(_name)))
+for _name, _description in _WORKER_RULES.items():
+    register(Rule(_name, _description, _worker(_name)))
+
+# Every pinned fact must have its rule: a fact added to the models without one
+# would be recorded but never checked.
+if set(HostFacts.model_fields) != set(_HOST_RULES) or set(WorkerFacts.model_fields) != set(
+    _WORKER_RULES
+):
+    raise RuntimeError("ckpt.compat: the pinned facts and the rules do not correspond")
+
+
+def check(recorded: Pins, current: Pins) -> list[RuleResult]:
+    """Run every registered rule: ``recorded`` is the checkpoint's pins, ``current`` this side's."""
+    return [rule.evaluate(recorded, current) for rule in RULES.values()]
+
+
+def _names(values: Iterable[str]) -> frozenset[str]:
+    # Accept "a,b" as well as ["a", "b"]: the CLI passes comma-separated lists.
+    names: set[str] = set()
+    for value in values:
+        names.update(part.strip() for part in value.split(",") if part.strip())
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which verdicts refuse a warm restore.
+
+    The default is strict: any MISMATCH or UNKNOWN refuses. Rules in
+    ``ignore`` never refuse; rules in ``allow_unknown`` accept UNKNOWN but
+    still refuse on MISMATCH. Unknown rule names raise
+    :class:`~ckpt.errors.ConfigError`, so a typo never silently weakens or
+    strengthens a policy.
+    """
+
+    ignore: frozenset[str] = frozenset()
+    allow_unknown: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        given: tuple[tuple[str, object], ...] = (
+            ("ignore", self.ignore),
+            ("allow_unknown", self.allow_unknown),
+        )
+        for what, names in given:
+            # Checked at run time: a list or a bare string here is a caller's
+            # mistake that would otherwise fail obscurely (or per character).
+            if not isinstance(names, frozenset):
+                raise ConfigError(f"compatibility policy: {what} must be a frozenset of rule names")
+            bad = sorted(str(n) for n in names - RULES.keys())
+            if bad:
+                raise ConfigError(
+                    f"compatibility policy: unknown rule name(s) in {what}: {', '.join(bad)} "
+                    f"(valid: {', '.join(RULES)})"
+                )
+
+    @classmethod
+    def from_strings(
+        cls, *, ignore: Iterable[str] = (), allow_unknown: Iterable[str] = ()
+    ) -> Policy:
+        """Build a policy from rule names (each item may itself be comma-separated).
+
+        Raises :class:`~ckpt.errors.ConfigError` naming any unknown rule and
+        listing the valid ones.
+        """
+        if isinstance(ignore, str) or isinstance(allow_unknown, str):
+            # A bare string would be iterated character by character.
+            ignore = [ignore] if isinstance(ignore, str) else ignore
+            allow_unknown = [allow_unknown] if isinstance(allow_unknown, str) else allow_unknown
+        return cls(ignore=_names(ignore), allow_unknown=_names(allow_unknown))
+
+    def refuses(self, result: RuleResult) -> bool:
+        """Whether this result, under this policy, refuses a warm restore."""
+        if result.rule in self.ignore:
+            return False
+        if result.verdict is Verdict.MISMATCH:
+            return True
+        if result.verdict is Verdict.UNKNOWN:
+            return result.rule not in self.allow_unknown
+        return False
+
+
+STRICT: Final = Policy()
+"""The default policy: refuse on any mismatch or unknown."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The planner's answer: ``warm`` restore or not, and why.
+
+    ``results`` holds every rule's result; ``reasons`` one line per refusing
+    rule, naming it and both values (empty when ``warm``).
+    """
+
+    warm: bool
+    results: list[RuleResult] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    def raise_if_refused(self) -> None:
+        """Raise :class:`~ckpt.errors.IncompatibleCheckpoint` with the reasons unless warm."""
+        if not self.warm:
+            raise IncompatibleCheckpoint("warm restore refused", list(self.reasons))
+
+
+def decide(recorded: Pins, current: Pins, policy: Policy = STRICT) -> Decision:
+    """Run every rule and apply ``policy``: may ``recorded`` be restored warm onto ``current``?"""
+    results = check(recorded, current)
+    reasons = [r.line for r in results if policy.refuses(r)]
+    return Decision(warm=not reasons, results=results, reasons=reasons)

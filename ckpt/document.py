@@ -1,0 +1,133 @@
+"""The envelope every stored JSON document (config, index, manifest) is wrapped in.
+
+Plain::
+
+    {"format": KIND, "version": V, "checksum": "xxh3-128:<hex>", "body": {...}}
+
+Encrypted (repository with a key)::
+
+    {"format": KIND, "version": V, "encryption": {"alg": "aes-256-gcm", "key_id": ID},
+     "ciphertext": "<base64 of nonce | AES-GCM(canonical body) | tag>"}
+
+The checksum and the AEAD both cover the *canonical* JSON of the body (keys
+sorted, no whitespace, UTF-8), which a reader recomputes after parsing. The
+AEAD's additional data is ``KIND/VERSION/NAME``, binding a document to its
+object name: a manifest copied under another name fails authentication.
+Readers check ``format`` and refuse a ``version`` they do not know before
+looking at anything else, and refuse documents over a size limit before
+parsing them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any
+
+from ckpt.checksum import ALGORITHM, checksum
+from ckpt.errors import FormatError, IntegrityError, KeyMismatch, KeyMissing, UnsupportedVersion
+from ckpt.keys import ALG, Keyring
+
+
+#: Kinds that are always plain: they hold no user data.
+_PLAIN_KINDS = frozenset({"gpuckpt-repository", "gpuckpt-lock"})
+
+
+def canonical(body: Any) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _aad(kind: str, version: int, name: str) -> bytes:
+    return f"{kind}/{version}/{name}".encode()
+
+
+def seal(kind: str, version: int, name: str, body: dict[str, Any], keyring: Keyring | None) -> bytes:
+    """Serialize ``body`` into an envelope for object ``name``."""
+    canon = canonical(body)
+    env: dict[str, Any] = {"format": kind, "version": version}
+    if keyring is None:
+        env["checksum"] = f"{ALGORITHM}:{checksum(canon)}"
+        # Embed the canonical text's parse, so the file stays readable JSON.
+        env["body"] = body
+        return json.dumps(env, separators=(",", ":"), ensure_ascii=False).encode()
+    sealed = keyring.seal(canon, _aad(kind, version, name))
+    env["encryption"] = {"alg": ALG, "key_id": keyring.key_id}
+    env["ciphertext"] = base64.b64encode(bytes(sealed)).decode()
+    return json.dumps(env, separators=(",", ":")).encode()
+
+
+def open_envelope(
+    data: bytes,
+    *,
+    kind: str,
+    supported: tuple[int, ...],
+    name: str,
+    keyring: Keyring | None,
+    error: type[FormatError] = FormatError,
+) -> tuple[int, dict[str, Any]]:
+    """Parse, check and (if needed) decrypt an envelope; returns (version, body).
+
+    Raises ``error`` (a FormatError) for malformed documents,
+    UnsupportedVersion for unknown versions, IntegrityError for checksum or
+    authentication failures, KeyMissing/KeyMismatch for key problems.
+    """
+    try:
+        env = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise error(f"{name}: not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(env, dict):
+        raise error(f"{name}: expected a JSON object, got {type(env).__name__}")
+    if env.get("format") != kind:
+        raise error(f"{name}: format is {env.get('format')!r}, expected {kind!r}")
+    version = env.get("version")
+    if type(version) is not int or version not in supported:
+        raise UnsupportedVersion(name, version, supported)
+    if "ciphertext" in env:
+        enc = env.get("encryption")
+        if not isinstance(enc, dict) or enc.get("alg") != ALG or not isinstance(enc.get("key_id"), str):
+            raise error(f"{name}: malformed encryption header {enc!r}")
+        if set(env) != {"format", "version", "encryption", "ciphertext"}:
+            raise error(f"{name}: unexpected fields {sorted(set(env))}")
+        if keyring is None:
+            raise KeyMissing(f"{name} is encrypted (key {enc['key_id']}) and no key was given")
+        if keyring.key_id != enc["key_id"]:
+            raise KeyMismatch(
+                f"{name} is encrypted with key {enc['key_id']}, the key given is {keyring.key_id}"
+            )
+        ct = env["ciphertext"]
+        if not isinstance(ct, str):
+            raise error(f"{name}: ciphertext must be a string")
+        try:
+            raw = base64.b64decode(ct, validate=True)
+        except (binascii.Error, ValueError):
+            raise IntegrityError(f"{name}: ciphertext is not valid base64", obj=name) from None
+        canon = bytes(keyring.open(raw, _aad(kind, version, name), obj=name))
+        try:
+            body = json.loads(canon)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise error(f"{name}: decrypted body is not JSON ({exc})") from None
+    else:
+        if set(env) != {"format", "version", "checksum", "body"}:
+            raise error(f"{name}: unexpected or missing fields {sorted(set(env))}")
+        if keyring is not None and kind not in _PLAIN_KINDS:
+            # An encrypted repository never writes plain documents: a plain
+            # one is a downgrade attempt or debris from elsewhere.
+            raise IntegrityError(f"{name}: plain document in an encrypted repository", obj=name)
+        body = env["body"]
+        expected = env["checksum"]
+        if not isinstance(expected, str) or not expected.startswith(ALGORITHM + ":"):
+            raise error(f"{name}: malformed checksum field {expected!r}")
+        try:
+            got = checksum(canonical(body))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise error(f"{name}: body cannot be serialized ({exc})") from None
+        if got != expected.split(":", 1)[1]:
+            raise IntegrityError(
+                f"{name}: checksum mismatch: the document was modified or corrupted "
+                f"(expected {expected}, got {ALGORITHM}:{got})",
+                obj=name,
+            )
+    if not isinstance(body, dict):
+        raise error(f"{name}: body must be a JSON object")
+    return version, body

@@ -1,0 +1,164 @@
+"""The gpuckpt error tree.
+
+Every error the library raises on purpose is a :class:`GpuckptError`. Errors
+from dependencies (botocore, OSError, cryptography, pydantic) are translated at
+the edge that called them (``raise Mapped(...) from exc``) so callers only ever
+need to catch this tree::
+
+    GpuckptError
+    ├── ConfigError                 bad URL, option or configuration value
+    ├── StoreError                  the storage backend
+    │   ├── ObjectNotFound          the object does not exist
+    │   ├── ObjectExists            a conditional create lost: the name is taken
+    │   ├── InvalidName             an object name that is malformed or hostile
+    │   ├── AccessDenied            credentials refused, permission missing
+    │   ├── StorageFull             no space left (ENOSPC, EDQUOT, quota)
+    │   └── StoreUnavailable        network, 5xx, throttling after retries (transient)
+    ├── RepositoryError             the repository as a whole
+    │   ├── RepositoryNotFound      no repository at this URL
+    │   ├── RepositoryExists        init on a URL that already holds one
+    │   ├── RepositoryLocked        an exclusive lock (gc) or a conflicting lock
+    │   └── CheckpointNotFound      no manifest with this id
+    ├── FormatError                 a stored document this reader cannot read
+    │   ├── UnsupportedVersion      a format version this reader does not know
+    │   └── ManifestError           malformed, oversized or schema-invalid manifest
+    ├── IntegrityError              stored bytes do not match their checksum,
+    │                               fail authentication, or are truncated/missing
+    ├── EncryptionError             keys
+    │   ├── KeyMissing              the repository is encrypted, no key given
+    │   └── KeyMismatch             the key given is not the repository's key
+    ├── IncompatibleCheckpoint      the compatibility rules refuse a warm restore
+    └── OperationAborted            a deadline passed or a caller cancelled
+
+Exit codes for the CLI are assigned in exactly one place, :mod:`cli.exitcodes`.
+Messages name the object and the cause; they never contain secrets.
+"""
+
+from __future__ import annotations
+
+
+class GpuckptError(Exception):
+    """Base of every error gpuckpt raises on purpose."""
+
+
+class ConfigError(GpuckptError):
+    """A URL, option or configuration value is invalid."""
+
+
+class StoreError(GpuckptError):
+    """A storage backend operation failed.
+
+    ``key`` names the object involved, when there is one.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ObjectNotFound(StoreError):
+    """The object does not exist."""
+
+
+class ObjectExists(StoreError):
+    """A conditional create found the name already taken."""
+
+
+class InvalidName(StoreError):
+    """An object name is malformed or would escape the store (path traversal)."""
+
+
+class AccessDenied(StoreError):
+    """The store refused the credentials or the operation."""
+
+
+class StorageFull(StoreError):
+    """The store has no space left."""
+
+
+class StoreUnavailable(StoreError):
+    """A transient failure: network, server error, throttling. Retrying may help."""
+
+
+class RepositoryError(GpuckptError):
+    """The repository as a whole is not in a usable state for this operation."""
+
+
+class RepositoryNotFound(RepositoryError):
+    """No repository exists at the URL."""
+
+
+class RepositoryExists(RepositoryError):
+    """A repository already exists at the URL."""
+
+
+class RepositoryLocked(RepositoryError):
+    """Another process holds a conflicting lock."""
+
+
+class CheckpointNotFound(RepositoryError):
+    """No checkpoint with this id exists in the repository."""
+
+
+class FormatError(GpuckptError):
+    """A stored document cannot be read by this version of gpuckpt."""
+
+
+class UnsupportedVersion(FormatError):
+    """A document's format version is unknown to this reader.
+
+    Readers refuse versions they do not know rather than guess.
+    """
+
+    def __init__(self, what: str, version: object, supported: tuple[int, ...]) -> None:
+        super().__init__(
+            f"{what}: format version {version!r} is not supported by this gpuckpt "
+            f"(supported: {', '.join(str(v) for v in supported)})"
+        )
+        self.what = what
+        self.version = version
+        self.supported = supported
+
+
+class ManifestError(FormatError):
+    """A manifest is malformed, oversized or does not match its schema."""
+
+
+class IntegrityError(GpuckptError):
+    """Stored bytes are corrupt: checksum mismatch, failed authentication, truncation.
+
+    ``obj`` names the stored object (pack, manifest, index) and ``blob`` the
+    blob inside it, when known.
+    """
+
+    def __init__(self, message: str, *, obj: str | None = None, blob: str | None = None) -> None:
+        super().__init__(message)
+        self.obj = obj
+        self.blob = blob
+
+
+class EncryptionError(GpuckptError):
+    """A key problem."""
+
+
+class KeyMissing(EncryptionError):
+    """The repository is encrypted and no key was supplied."""
+
+
+class KeyMismatch(EncryptionError):
+    """The key supplied is not the key the repository was created with."""
+
+
+class IncompatibleCheckpoint(GpuckptError):
+    """The compatibility rules refuse a warm restore.
+
+    ``reasons`` holds one line per refusing rule, naming the rule and both values.
+    """
+
+    def __init__(self, message: str, reasons: list[str]) -> None:
+        super().__init__(message + ("\n  " + "\n  ".join(reasons) if reasons else ""))
+        self.reasons = reasons
+
+
+class OperationAborted(GpuckptError):
+    """An operation was cancelled or ran past its deadline; nothing was made visible."""

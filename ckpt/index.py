@@ -1,0 +1,133 @@
+"""Index documents: which blob lives in which pack, at what offset.
+
+Each save writes one index document (``index/<id>``) for the packs it wrote,
+after those packs are durable and before its manifest. The repository index
+is the union of all index documents; ``gc`` replaces them with one rewritten
+document *before* deleting any pack, so an index never points at a pack that
+was deleted on purpose.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt import document
+from ckpt.errors import FormatError, ObjectNotFound
+from ckpt.keys import Keyring
+from ckpt.pack import BlobEntry, entries_to_rows, rows_to_entries
+from ckpt.store.base import Store
+
+KIND = "gpuckpt-index"
+VERSION = 1
+SUPPORTED = (1,)
+PREFIX = "index/"
+
+
+def index_name(index_id: str) -> str:
+    return PREFIX + index_id
+
+
+@dataclass(frozen=True)
+class PackRecord:
+    id: str
+    size: int
+    entries: tuple[BlobEntry, ...]
+
+
+def encode_index(name: str, packs: Iterable[PackRecord], keyring: Keyring | None) -> bytes:
+    body: dict[str, Any] = {"packs": []}
+    for p in packs:
+        rows, codecs = entries_to_rows(list(p.entries))
+        body["packs"].append({"id": p.id, "size": p.size, "codecs": codecs, "blobs": rows})
+    return document.seal(KIND, VERSION, name, body, keyring)
+
+
+def decode_index(name: str, data: bytes, keyring: Keyring | None) -> list[PackRecord]:
+    _, body = document.open_envelope(data, kind=KIND, supported=SUPPORTED, name=name, keyring=keyring)
+    packs = body.get("packs")
+    if not isinstance(packs, list):
+        raise FormatError(f"{name}: 'packs' must be a list")
+    out = []
+    for p in packs:
+        if not isinstance(p, dict) or not isinstance(p.get("id"), str) or type(p.get("size")) is not int:
+            raise FormatError(f"{name}: malformed pack record")
+        out.append(PackRecord(p["id"], p["size"], tuple(rows_to_entries(p["id"], p.get("blobs"), p.get("codecs"), name))))
+    return out
+
+
+class MasterIndex:
+    """The union of the repository's index documents, loaded incrementally.
+
+    Index documents are immutable, so each is read once per process; a
+    refresh reads only names not seen before and forgets deleted ones.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._docs: dict[str, list[PackRecord]] = {}
+        self._blobs: dict[str, BlobEntry] = {}
+        self._packs: dict[str, PackRecord] = {}
+
+    def refresh(self, store: Store, keyring: Keyring | None, workers: int = 8) -> None:
+        names = {o.name for o in store.list(PREFIX)}
+        with self._lock:
+            new = [n for n in names if n not in self._docs]
+            gone = [n for n in self._docs if n not in names]
+
+        def read(n: str) -> tuple[str, list[PackRecord] | None]:
+            try:
+                return n, decode_index(n, store.get(n), keyring)
+            except ObjectNotFound:  # deleted by a gc since the listing
+                return n, None
+
+        results = []
+        if new:
+            with ThreadPoolExecutor(min(workers, len(new))) as ex:
+                results = list(ex.map(read, new))
+        with self._lock:
+            for n in gone:
+                self._docs.pop(n, None)
+            for n, recs in results:
+                if recs is not None:
+                    self._docs[n] = recs
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._blobs = {}
+        self._packs = {}
+        for recs in self._docs.values():
+            for p in recs:
+                self._packs[p.id] = p
+                for e in p.entries:
+                    self._blobs.setdefault(e.id, e)
+
+    def add(self, name: str, packs: list[PackRecord]) -> None:
+        with self._lock:
+            self._docs[name] = packs
+            for p in packs:
+                self._packs[p.id] = p
+                for e in p.entries:
+                    self._blobs.setdefault(e.id, e)
+
+    def lookup(self, blob_id: str) -> BlobEntry | None:
+        return self._blobs.get(blob_id)
+
+    def __contains__(self, blob_id: str) -> bool:
+        return blob_id in self._blobs
+
+    @property
+    def documents(self) -> dict[str, list[PackRecord]]:
+        with self._lock:
+            return dict(self._docs)
+
+    @property
+    def packs(self) -> dict[str, PackRecord]:
+        with self._lock:
+            return dict(self._packs)
+
+    def __len__(self) -> int:
+        return len(self._blobs)

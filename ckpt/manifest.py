@@ -1,0 +1,163 @@
+"""Manifests: the document that makes a checkpoint exist.
+
+A manifest is written last, with a conditional create, under
+``manifests/<worker id>/<checkpoint id>``. It holds everything a restore
+needs without reading any index: the pins, the KV layout, every block with
+its pack, offset, length, checksums and codec pipeline, the engine's request
+ledger (an opaque, engine-versioned JSON document), the canary, sizes and
+timings. See FORMAT.md for the schema and the rules a reader applies.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ckpt import document
+from ckpt.errors import ConfigError, ManifestError
+from ckpt.keys import Keyring
+from ckpt.pins import Pins
+
+KIND = "gpuckpt-manifest"
+VERSION = 1
+SUPPORTED = (1,)
+PREFIX = "manifests/"
+#: Readers refuse manifests larger than this before parsing them (override per call).
+DEFAULT_MAX_BYTES = 256 << 20
+
+_WORKER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ID_RE = re.compile(r"^\d{8}T\d{9}Z-[0-9a-f]{8}$")
+_HEX = r"^[0-9a-f]+$"
+
+Hex = Annotated[str, Field(pattern=_HEX, max_length=512)]
+NonNeg = Annotated[int, Field(ge=0)]
+
+
+def check_worker_id(worker_id: str) -> str:
+    if not isinstance(worker_id, str) or not _WORKER_RE.match(worker_id):
+        raise ConfigError(
+            f"worker id {worker_id!r} must be 1-128 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return worker_id
+
+
+def new_checkpoint_id(now: datetime | None = None) -> str:
+    """A sortable, unique id: UTC time to the millisecond plus 32 random bits."""
+    t = (now or datetime.now(UTC)).astimezone(UTC)
+    return f"{t:%Y%m%dT%H%M%S}{t.microsecond // 1000:03d}Z-{secrets.token_hex(4)}"
+
+
+def is_checkpoint_id(s: str) -> bool:
+    return bool(_ID_RE.match(s))
+
+
+def manifest_name(worker_id: str, checkpoint_id: str) -> str:
+    return f"{PREFIX}{worker_id}/{checkpoint_id}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class BlockRef(_Strict):
+    """One block of the checkpoint and where its blob lives."""
+
+    key: Hex
+    blob: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    pack: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    offset: NonNeg
+    length: NonNeg
+    raw_length: NonNeg
+    checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    raw_checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    codec: NonNeg  # index into Manifest.codecs
+    dtype: str
+    shape: list[NonNeg]
+
+
+class CodecSpec(_Strict):
+    name: str
+    configuration: dict[str, Any]
+
+
+class Ledger(_Strict):
+    """The engine's request ledger: opaque to ckpt, versioned by its own schema."""
+
+    schema_: Annotated[str, Field(alias="schema", min_length=1, max_length=128)]
+    version: Annotated[int, Field(ge=1)]
+    data: Any
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+
+class Sizes(_Strict):
+    blocks: NonNeg = 0
+    raw_bytes: NonNeg = 0
+    stored_bytes: NonNeg = 0
+    new_blocks: NonNeg = 0
+    new_raw_bytes: NonNeg = 0
+    new_stored_bytes: NonNeg = 0
+    packs_written: NonNeg = 0
+
+
+class Encryption(_Strict):
+    alg: Literal["aes-256-gcm"]
+    key_id: str
+
+
+class Manifest(_Strict):
+    """The checkpoint. Immutable once written."""
+
+    version: Literal[1] = 1
+    id: Annotated[str, Field(pattern=_ID_RE.pattern)]
+    worker_id: Annotated[str, Field(pattern=_WORKER_RE.pattern)]
+    created: Annotated[datetime, Field(strict=False)]
+    parent: str | None = None
+    namespace: dict[str, str]
+    pins: Pins
+    layout: dict[str, Any] = Field(default_factory=dict)
+    codecs: list[list[CodecSpec]]
+    blocks: list[BlockRef]
+    ledger: Ledger | None = None
+    canary: dict[str, Any] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    sizes: Sizes = Field(default_factory=Sizes)
+    timings: dict[str, float] = Field(default_factory=dict)
+    encryption: Encryption | None = None
+
+    @property
+    def name(self) -> str:
+        return manifest_name(self.worker_id, self.id)
+
+    def encode(self, keyring: Keyring | None) -> bytes:
+        body = self.model_dump(mode="json", by_alias=True)
+        return document.seal(KIND, VERSION, self.name, body, keyring)
+
+    @classmethod
+    def decode(cls, name: str, data: bytes, keyring: Keyring | None, max_bytes: int = DEFAULT_MAX_BYTES) -> Manifest:
+        """Parse and check a stored manifest; every failure names ``name`` and the cause."""
+        if len(data) > max_bytes:
+            raise ManifestError(f"{name}: {len(data)} bytes exceeds the manifest size limit {max_bytes}")
+        _, body = document.open_envelope(
+            data, kind=KIND, supported=SUPPORTED, name=name, keyring=keyring, error=ManifestError
+        )
+        try:
+            m = cls.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise ManifestError(
+                f"{name}: does not match the manifest schema ({exc.error_count()} errors; "
+                f"first at {loc or '<root>'}: {first['msg']})"
+            ) from None
+        if m.name != name:
+            raise ManifestError(f"{name}: the manifest says it is {m.name}")
+        for b in m.blocks:
+            if b.codec >= len(m.codecs):
+                raise ManifestError(f"{name}: block {b.key} names codec {b.codec}, there are {len(m.codecs)}")
+        return m

@@ -1,0 +1,164 @@
+"""Packs: many blobs in one object, so a checkpoint is not one PUT per block.
+
+Byte layout (all integers little-endian)::
+
+    header   16 bytes   b"GPCKPACK" | u32 version (1) | u32 reserved (0)
+    blobs    ...        stored blobs back to back, no framing
+    trailer  T bytes    the pack's own index: canonical JSON, or
+                        nonce | AES-GCM(JSON) | tag in an encrypted repository
+    footer   32 bytes   u64 T | XXH3-128 of the trailer (16 bytes) | b"GPCKEND1"
+
+The trailer lets a reader (``verify``, an index rebuild) learn a pack's
+blobs from the pack alone; normal reads never touch it, since indexes and
+manifests record each blob's offset and length.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ckpt.errors import FormatError, IntegrityError, UnsupportedVersion
+from ckpt.keys import Keyring
+
+MAGIC = b"GPCKPACK"
+END_MAGIC = b"GPCKEND1"
+VERSION = 1
+SUPPORTED = (1,)
+HEADER = MAGIC + struct.pack("<II", VERSION, 0)
+HEADER_SIZE = len(HEADER)
+FOOTER_SIZE = 32
+
+Buffer = bytes | bytearray | memoryview
+
+
+def pack_name(pack_id: str) -> str:
+    return f"packs/{pack_id[:2]}/{pack_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class BlobEntry:
+    """Where a blob lives and how to check and decode it."""
+
+    id: str
+    pack: str
+    offset: int
+    length: int
+    raw_length: int
+    checksum: str  # XXH3-128 of the stored bytes, checked before decoding
+    raw_checksum: str  # XXH3-128 of the decoded bytes, checked after decoding
+    codec: str  # canonical JSON of the codec pipeline specs
+
+    def to_row(self, codec_index: int) -> list[Any]:
+        return [self.id, self.offset, self.length, self.raw_length, self.checksum, self.raw_checksum, codec_index]
+
+
+def rows_to_entries(pack: str, rows: Any, codecs: Any, where: str) -> list[BlobEntry]:
+    """Parse the compact row form used by trailers and index documents."""
+    if not isinstance(rows, list) or not isinstance(codecs, list):
+        raise FormatError(f"{where}: blobs and codecs must be lists")
+    canon = [json.dumps(c, sort_keys=True, separators=(",", ":")) for c in codecs]
+    out = []
+    for r in rows:
+        if (
+            not isinstance(r, list)
+            or len(r) != 7
+            or not all(isinstance(r[i], str) for i in (0, 4, 5))
+            or not all(type(r[i]) is int and r[i] >= 0 for i in (1, 2, 3, 6))
+            or r[6] >= len(canon)
+        ):
+            raise FormatError(f"{where}: malformed blob row {r!r}")
+        out.append(BlobEntry(r[0], pack, r[1], r[2], r[3], r[4], r[5], canon[r[6]]))
+    return out
+
+
+def entries_to_rows(entries: list[BlobEntry]) -> tuple[list[list[Any]], list[Any]]:
+    table: dict[str, int] = {}
+    rows = []
+    for e in entries:
+        idx = table.setdefault(e.codec, len(table))
+        rows.append(e.to_row(idx))
+    return rows, [json.loads(c) for c in table]
+
+
+class PackWriter:
+    """Accumulates blobs into one pack. Not thread-safe: callers serialize ``add``."""
+
+    def __init__(self, pack_id: str) -> None:
+        self.id = pack_id
+        self.name = pack_name(pack_id)
+        self.buf = bytearray(HEADER)
+        self.entries: list[BlobEntry] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.buf)
+
+    def add(
+        self, blob_id: str, stored: Buffer, raw_length: int, checksum: str, raw_checksum: str, codec: str
+    ) -> BlobEntry:
+        offset = len(self.buf)
+        self.buf += stored
+        e = BlobEntry(blob_id, self.id, offset, len(self.buf) - offset, raw_length, checksum, raw_checksum, codec)
+        self.entries.append(e)
+        return e
+
+    def finish(self, keyring: Keyring | None) -> bytearray:
+        """Append trailer and footer; returns the complete pack (the writer's own buffer)."""
+        rows, codecs = entries_to_rows(self.entries)
+        trailer = json.dumps(
+            {"pack": self.id, "codecs": codecs, "blobs": rows}, separators=(",", ":")
+        ).encode()
+        if keyring is not None:
+            trailer = bytes(keyring.seal(trailer, trailer_aad(self.id)))
+        self.buf += trailer
+        self.buf += struct.pack("<Q", len(trailer)) + xxhash.xxh3_128_digest(trailer) + END_MAGIC
+        return self.buf
+
+
+def trailer_aad(pack_id: str) -> bytes:
+    return f"gpuckpt-pack-trailer/{VERSION}/{pack_id}".encode()
+
+
+def read_trailer(data: Buffer, pack_id: str, keyring: Keyring | None) -> list[BlobEntry]:
+    """Parse a whole pack's header, footer and trailer; returns its blob entries.
+
+    Raises IntegrityError (truncated, corrupt) or UnsupportedVersion.
+    """
+    name = pack_name(pack_id)
+    mv = memoryview(data)
+    if len(mv) < HEADER_SIZE + FOOTER_SIZE:
+        raise IntegrityError(f"pack {name} is truncated ({len(mv)} bytes)", obj=name)
+    if bytes(mv[:8]) != MAGIC:
+        raise IntegrityError(f"pack {name} has a bad header magic", obj=name)
+    (version,) = struct.unpack_from("<I", mv, 8)
+    if version not in SUPPORTED:
+        raise UnsupportedVersion(f"pack {name}", version, SUPPORTED)
+    if bytes(mv[-8:]) != END_MAGIC:
+        raise IntegrityError(f"pack {name} is truncated or has a bad footer", obj=name)
+    (tlen,) = struct.unpack_from("<Q", mv, len(mv) - FOOTER_SIZE)
+    digest = bytes(mv[len(mv) - 24 : len(mv) - 8])
+    start = len(mv) - FOOTER_SIZE - tlen
+    if start < HEADER_SIZE:
+        raise IntegrityError(f"pack {name}: trailer length {tlen} exceeds the pack", obj=name)
+    trailer = mv[start : len(mv) - FOOTER_SIZE]
+    if xxhash.xxh3_128_digest(trailer) != digest:
+        raise IntegrityError(f"pack {name}: trailer checksum mismatch", obj=name)
+    raw = bytes(trailer)
+    if keyring is not None:
+        raw = bytes(keyring.open(raw, trailer_aad(pack_id), obj=name))
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"pack {name}: trailer is not JSON ({exc})", obj=name) from None
+    if not isinstance(doc, dict) or doc.get("pack") != pack_id:
+        raise IntegrityError(f"pack {name}: trailer names another pack", obj=name)
+    entries = rows_to_entries(pack_id, doc.get("blobs"), doc.get("codecs"), name)
+    for e in entries:
+        if e.offset < HEADER_SIZE or e.offset + e.length > start:
+            raise IntegrityError(f"pack {name}: blob {e.id} lies outside the blob area", obj=name)
+    return entries

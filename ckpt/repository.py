@@ -1,0 +1,597 @@
+"""The repository: the public face of the checkpoint format.
+
+::
+
+    repo = Repository.open("s3://bucket/ckpts", key=KeySource.parse("file:/etc/gpuckpt/key"),
+                           create=True)
+    m = repo.save(blocks, worker_id="w0", namespace=ns, pins=pins, ledger=ledger)
+    for block in repo.load(m.id):
+        ...
+
+The object layout, the write and read orders and the rules each reader
+applies are specified in ``ckpt/FORMAT.md``; this module implements them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ckpt import document
+from ckpt import checksum as cks
+from ckpt.blocks import Block, LoadedBlock, Namespace
+from ckpt.codecs import CodecContext, Pipeline
+from ckpt.errors import (
+    CheckpointNotFound,
+    ConfigError,
+    FormatError,
+    GpuckptError,
+    IntegrityError,
+    KeyMissing,
+    ObjectExists,
+    ObjectNotFound,
+    RepositoryExists,
+    RepositoryNotFound,
+)
+from ckpt.index import PREFIX as INDEX_PREFIX
+from ckpt.index import MasterIndex, PackRecord, encode_index, index_name
+from ckpt.keys import ALG, Keyring, KeySource
+from ckpt.load import BlockFailure, load_blocks
+from ckpt.lock import PREFIX as LOCK_PREFIX
+from ckpt.lock import DEFAULT_STALE_AFTER, Lock, list_locks
+from ckpt.manifest import (
+    DEFAULT_MAX_BYTES,
+    PREFIX as MANIFEST_PREFIX,
+)
+from ckpt.manifest import (
+    Ledger,
+    Manifest,
+    check_worker_id,
+    is_checkpoint_id,
+)
+from ckpt.pack import read_trailer
+from ckpt.pins import Pins
+from ckpt.save import SaveOptions, SaveProgress, save_checkpoint
+from ckpt.store.base import Store
+from ckpt.url import open_store
+
+log = logging.getLogger("gpuckpt.repository")
+
+CONFIG_NAME = "config"
+CONFIG_KIND = "gpuckpt-repository"
+CONFIG_VERSION = 1
+CONFIG_SUPPORTED = (1,)
+PACK_PREFIX = "packs/"
+
+
+@dataclass(frozen=True)
+class RepoConfig:
+    id: str
+    created: str
+    pack_size: int
+    encryption: dict[str, str] | None
+
+    def body(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "pack_size": self.pack_size, "encryption": self.encryption}
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> RepoConfig:
+        try:
+            enc = body["encryption"]
+            if enc is not None and (not isinstance(enc, dict) or enc.get("alg") != ALG):
+                raise FormatError(f"config: unsupported encryption {enc!r}")
+            cfg = cls(str(body["id"]), str(body["created"]), int(body["pack_size"]), enc)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"config: malformed ({exc})") from None
+        return cfg
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What listing knows of a checkpoint from its object name alone."""
+
+    id: str
+    worker_id: str
+    name: str
+    created: datetime
+    size: int  # manifest bytes
+
+
+@dataclass
+class Problem:
+    obj: str
+    message: str
+    blob: str | None = None
+
+
+@dataclass
+class VerifyReport:
+    checked_checkpoints: int = 0
+    checked_packs: int = 0
+    checked_blobs: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class GcReport:
+    live_blobs: int = 0
+    deleted_packs: list[str] = field(default_factory=list)
+    deleted_bytes: int = 0
+    kept_young_packs: int = 0
+    rewritten_indexes: int = 0
+    removed_locks: int = 0
+    removed_debris: int = 0
+    dry_run: bool = False
+
+
+def _ckpt_time(cid: str) -> datetime:
+    return datetime.strptime(cid[:15], "%Y%m%dT%H%M%S").replace(
+        microsecond=int(cid[15:18]) * 1000, tzinfo=UTC
+    )
+
+
+def _as_keyring(key: KeySource | Keyring | str | None) -> Keyring | None:
+    if key is None or isinstance(key, Keyring):
+        return key
+    if isinstance(key, str):
+        key = KeySource.parse(key)
+    return key.load()
+
+
+class Repository:
+    """A checkpoint repository over a :class:`~ckpt.store.Store`. Thread-safe for
+    concurrent loads; saves from several processes coordinate through locks."""
+
+    def __init__(self, store: Store, config: RepoConfig, keyring: Keyring | None) -> None:
+        self.store = store
+        self.config = config
+        self.keyring = keyring
+        self.index = MasterIndex()
+
+    # -- opening -------------------------------------------------------------------
+
+    @classmethod
+    def init(
+        cls,
+        target: str | Store,
+        *,
+        key: KeySource | Keyring | str | None = None,
+        pack_size: int = 32 << 20,
+    ) -> Repository:
+        """Create a repository. With a key, everything in it is encrypted."""
+        store = open_store(target) if isinstance(target, str) else target
+        keyring = _as_keyring(key)
+        enc = None
+        if keyring is not None:
+            enc = {"alg": ALG, "key_id": keyring.key_id, "check": keyring.make_check()}
+        cfg = RepoConfig(secrets.token_hex(16), datetime.now(UTC).isoformat(), pack_size, enc)
+        data = document.seal(CONFIG_KIND, CONFIG_VERSION, CONFIG_NAME, cfg.body(), None)
+        try:
+            store.put(CONFIG_NAME, data, if_absent=True)
+        except ObjectExists:
+            raise RepositoryExists(f"a repository already exists at {store.url}") from None
+        return cls(store, cfg, keyring)
+
+    @classmethod
+    def open(
+        cls,
+        target: str | Store,
+        *,
+        key: KeySource | Keyring | str | None = None,
+        create: bool = False,
+        pack_size: int = 32 << 20,
+    ) -> Repository:
+        """Open an existing repository (or create it, with ``create``).
+
+        Refuses unknown format versions (UnsupportedVersion), a missing key
+        for an encrypted repository (KeyMissing) and a wrong key (KeyMismatch).
+        """
+        store = open_store(target, create=create) if isinstance(target, str) else target
+        try:
+            data = store.get(CONFIG_NAME)
+        except ObjectNotFound:
+            if create:
+                try:
+                    return cls.init(store, key=key, pack_size=pack_size)
+                except RepositoryExists:
+                    data = store.get(CONFIG_NAME)  # lost a creation race: open the winner's
+            else:
+                raise RepositoryNotFound(f"no gpuckpt repository at {store.url}") from None
+        _, body = document.open_envelope(
+            data, kind=CONFIG_KIND, supported=CONFIG_SUPPORTED, name=CONFIG_NAME, keyring=None
+        )
+        cfg = RepoConfig.parse(body)
+        keyring = _as_keyring(key)
+        if cfg.encryption is not None:
+            if keyring is None:
+                raise KeyMissing(
+                    f"the repository at {store.url} is encrypted (key {cfg.encryption.get('key_id')}); "
+                    "give its key (--key file:/path or env:NAME)"
+                )
+            keyring.verify_check(cfg.encryption["check"], cfg.encryption["key_id"])
+        elif keyring is not None:
+            raise ConfigError(f"the repository at {store.url} is not encrypted; do not give a key")
+        return cls(store, cfg, keyring)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Repository:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def encrypted(self) -> bool:
+        return self.keyring is not None
+
+    def default_save_options(self) -> SaveOptions:
+        return SaveOptions(pack_size=self.config.pack_size)
+
+    def blob_id(self, ns: Namespace, key: bytes) -> str:
+        """The blob id of a block: SHA-256 (HMAC-SHA-256 when encrypted) over
+        namespace id and content key."""
+        msg = b"gpuckpt-blob\x00" + ns.id.encode() + b"\x00" + key
+        if self.keyring is not None:
+            return self.keyring.blob_mac(msg)
+        return hashlib.sha256(msg).hexdigest()
+
+    # -- saving and loading -------------------------------------------------------------
+
+    def save(
+        self,
+        blocks: Iterable[Block],
+        *,
+        worker_id: str,
+        namespace: Namespace,
+        pins: Pins,
+        layout: dict[str, Any] | None = None,
+        ledger: Ledger | dict[str, Any] | None = None,
+        canary: dict[str, Any] | None = None,
+        labels: dict[str, str] | None = None,
+        parent: str | None = "auto",
+        options: SaveOptions | None = None,
+        progress: Callable[[SaveProgress], None] | None = None,
+        deadline: float | None = None,
+        lock_wait: float = 30.0,
+    ) -> Manifest:
+        """Save a checkpoint; returns its manifest once it is visible.
+
+        Blocks already in the repository (same namespace and key) are
+        referenced, not rewritten. ``parent="auto"`` records this worker's
+        newest checkpoint. ``deadline`` is a ``time.monotonic()`` value past
+        which the save aborts with OperationAborted, leaving nothing visible.
+        """
+        check_worker_id(worker_id)
+        with Lock(self.store, exclusive=False, operation=f"save {worker_id}", wait=lock_wait):
+            self.index.refresh(self.store, self.keyring)
+            if parent == "auto":
+                mine = self.list(worker_id)
+                parent = mine[-1].id if mine else None
+            return save_checkpoint(
+                self, blocks, worker_id=worker_id, namespace=namespace, pins=pins, layout=layout,
+                ledger=ledger, canary=canary, labels=labels, parent=parent, options=options,
+                progress=progress, deadline=deadline,
+            )
+
+    def load(
+        self,
+        ref: str | Manifest,
+        *,
+        keys: Iterable[bytes] | None = None,
+        workers: int = 8,
+        errors: list[BlockFailure] | None = None,
+    ) -> Iterator[LoadedBlock]:
+        """Stream a checkpoint's blocks back, each verified before it is yielded."""
+        m = ref if isinstance(ref, Manifest) else self.manifest(ref)
+        return load_blocks(self, m, keys=keys, workers=workers, errors=errors)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def list(self, worker_id: str | None = None) -> list[CheckpointInfo]:
+        """Checkpoints (oldest first) from manifest names alone: no manifest is read."""
+        prefix = MANIFEST_PREFIX + (check_worker_id(worker_id) + "/" if worker_id else "")
+        out = []
+        for o in self.store.list(prefix):
+            parts = o.name[len(MANIFEST_PREFIX) :].split("/")
+            if len(parts) != 2 or not is_checkpoint_id(parts[1]):
+                continue  # not ours: ignored, and left alone
+            out.append(CheckpointInfo(parts[1], parts[0], o.name, _ckpt_time(parts[1]), o.size))
+        out.sort(key=lambda c: (c.id, c.worker_id))
+        return out
+
+    def resolve(self, ref: str) -> CheckpointInfo:
+        """Find a checkpoint by id, unique id prefix, ``latest`` or ``WORKER:latest``."""
+        if ref == "latest" or ref.endswith(":latest"):
+            worker = None if ref == "latest" else ref[: -len(":latest")]
+            cps = self.list(worker)
+            if not cps:
+                raise CheckpointNotFound(
+                    "no checkpoints" + (f" for worker {worker!r}" if worker else "") + f" in {self.url}"
+                )
+            return cps[-1]
+        if "/" in ref:  # WORKER/ID
+            worker, _, cid = ref.partition("/")
+            matches = [c for c in self.list(worker) if c.id == cid]
+        else:
+            matches = [c for c in self.list() if c.id.startswith(ref)]
+        if not matches:
+            raise CheckpointNotFound(f"no checkpoint {ref!r} in {self.url}")
+        if len(matches) > 1:
+            raise CheckpointNotFound(
+                f"checkpoint reference {ref!r} is ambiguous: {', '.join(c.id for c in matches[:5])}"
+            )
+        return matches[0]
+
+    def manifest(self, ref: str | CheckpointInfo, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Manifest:
+        """Read and check a manifest. Oversized, malformed, tampered or
+        unknown-version manifests raise before any block is read."""
+        info = ref if isinstance(ref, CheckpointInfo) else self.resolve(ref)
+        st = self.store.stat(info.name)
+        if st.size > max_bytes:
+            raise document_error(info.name, st.size, max_bytes)
+        try:
+            data = self.store.get(info.name)
+        except ObjectNotFound:
+            raise CheckpointNotFound(f"checkpoint {info.id} vanished (removed by forget?)") from None
+        return Manifest.decode(info.name, data, self.keyring, max_bytes)
+
+    def manifests(self, worker_id: str | None = None) -> list[Manifest]:
+        infos = self.list(worker_id)
+        if not infos:
+            return []
+        with ThreadPoolExecutor(min(8, len(infos))) as ex:
+            return list(ex.map(self.manifest, infos))
+
+    def delete(self, ref: str) -> CheckpointInfo:
+        """Remove one checkpoint's manifest; its data goes at the next ``gc``."""
+        info = self.resolve(ref)
+        with Lock(self.store, exclusive=False, operation=f"delete {info.id}"):
+            self.store.delete(info.name)
+        return info
+
+    def forget(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_within: timedelta | None = None,
+        worker_id: str | None = None,
+        dry_run: bool = False,
+        now: datetime | None = None,
+    ) -> list[CheckpointInfo]:
+        """Apply retention per worker: keep the newest ``keep_last`` and any newer
+        than ``keep_within``; the newest checkpoint of each worker is always kept.
+        Removes manifests only; ``gc`` reclaims the data. Returns what was removed."""
+        if keep_last is None and keep_within is None:
+            raise ConfigError("forget needs keep_last and/or keep_within")
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError("keep_last must be at least 1: the newest checkpoint is always kept")
+        now = now or datetime.now(UTC)
+        by_worker: dict[str, list[CheckpointInfo]] = {}
+        for c in self.list(worker_id):
+            by_worker.setdefault(c.worker_id, []).append(c)
+        doomed = []
+        for cps in by_worker.values():
+            cps.sort(key=lambda c: c.id)
+            for i, c in enumerate(reversed(cps)):
+                keep = i == 0
+                keep |= keep_last is not None and i < keep_last
+                keep |= keep_within is not None and now - c.created <= keep_within
+                if not keep:
+                    doomed.append(c)
+        if doomed and not dry_run:
+            with Lock(self.store, exclusive=False, operation="forget"):
+                for c in doomed:
+                    self.store.delete(c.name)
+        return doomed
+
+    # -- verify -----------------------------------------------------------------------------
+
+    def verify(
+        self,
+        ref: str | None = None,
+        *,
+        read_data: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> VerifyReport:
+        """Check one checkpoint (every block read back and verified) or, with no
+        ref, the whole repository: every manifest, index and pack, every blob's
+        checksums, and that every referenced blob exists where it is said to."""
+        report = VerifyReport()
+        if ref is not None:
+            m = self.manifest(ref)
+            report.checked_checkpoints = 1
+            failures: list[BlockFailure] = []
+            if read_data:
+                total = len(m.blocks)
+                for n, _ in enumerate(self.load(m, errors=failures), 1):
+                    report.checked_blobs += 1
+                    if progress:
+                        progress(n, total)
+                for f in failures:
+                    obj = getattr(f.error, "obj", None) or "?"
+                    report.problems.append(Problem(obj, str(f.error), getattr(f.error, "blob", None)))
+            else:
+                self._check_refs_exist(m, report)
+            return report
+        return self._verify_all(read_data, progress, report)
+
+    def _check_refs_exist(self, m: Manifest, report: VerifyReport) -> None:
+        sizes: dict[str, int | None] = {}
+        for b in m.blocks:
+            if b.pack not in sizes:
+                try:
+                    sizes[b.pack] = self.store.stat(f"packs/{b.pack[:2]}/{b.pack}").size
+                except ObjectNotFound:
+                    sizes[b.pack] = None
+                    report.problems.append(Problem(f"packs/{b.pack[:2]}/{b.pack}", f"missing pack referenced by {m.name}"))
+            size = sizes[b.pack]
+            if size is not None and b.offset + b.length > size:
+                report.problems.append(
+                    Problem(f"packs/{b.pack[:2]}/{b.pack}", f"truncated: blob {b.blob} of {m.name} lies past its end", b.blob)
+                )
+            report.checked_blobs += 1
+
+    def _verify_all(
+        self, read_data: bool, progress: Callable[[int, int], None] | None, report: VerifyReport
+    ) -> VerifyReport:
+        manifests: list[Manifest] = []
+        for info in self.list():
+            try:
+                manifests.append(self.manifest(info))
+            except GpuckptError as exc:
+                report.problems.append(Problem(info.name, str(exc)))
+        report.checked_checkpoints = len(manifests)
+        for n in {o.name for o in self.store.list(INDEX_PREFIX)}:
+            try:
+                self.store.get(n)
+            except GpuckptError as exc:
+                report.problems.append(Problem(n, str(exc)))
+        try:
+            self.index.refresh(self.store, self.keyring)
+        except GpuckptError as exc:
+            report.problems.append(Problem("index/", str(exc)))
+        for m in manifests:
+            self._check_refs_exist(m, report)
+        if not read_data:
+            return report
+        packs = sorted(self.store.list(PACK_PREFIX), key=lambda o: o.name)
+        for i, o in enumerate(packs, 1):
+            pid = o.name.rsplit("/", 1)[-1]
+            try:
+                data = self.store.get(o.name)
+                entries = read_trailer(data, pid, self.keyring)
+            except GpuckptError as exc:
+                report.problems.append(Problem(o.name, str(exc)))
+                continue
+            report.checked_packs += 1
+            for e in entries:
+                try:
+                    stored = memoryview(data)[e.offset : e.offset + e.length]
+                    cks.verify(stored, e.checksum, obj=o.name, blob=e.id, what="stored bytes")
+                    pl = Pipeline.from_specs(json.loads(e.codec))
+                    raw = pl.decode(stored, CodecContext(self.keyring, e.id.encode(), o.name, e.id), e.raw_length)
+                    cks.verify(raw, e.raw_checksum, obj=o.name, blob=e.id, what="decoded bytes")
+                except GpuckptError as exc:
+                    report.problems.append(Problem(o.name, str(exc), e.id))
+                report.checked_blobs += 1
+            if progress:
+                progress(i, len(packs))
+        return report
+
+    # -- garbage collection --------------------------------------------------------------------
+
+    def gc(
+        self,
+        *,
+        grace: timedelta = timedelta(hours=1),
+        dry_run: bool = False,
+        lock_wait: float = 0.0,
+        stale_lock_after: float = DEFAULT_STALE_AFTER,
+    ) -> GcReport:
+        """Mark and sweep, under the exclusive lock.
+
+        Live = every blob any manifest references. A pack is deleted when it
+        holds no live blob and is older than ``grace`` (young packs may belong
+        to a save that crashed a moment ago, or whose lock went stale while it
+        still runs). Order: write the rewritten index, delete the old index
+        documents, then delete packs — references go before data. If any
+        manifest cannot be read, nothing is deleted.
+        """
+        report = GcReport(dry_run=dry_run)
+        with Lock(self.store, exclusive=True, operation="gc", wait=lock_wait, stale_after=stale_lock_after):
+            infos = self.list()
+            manifests = []
+            for info in infos:
+                # Any failure here aborts gc: deleting data on a manifest we
+                # could not read would destroy a checkpoint.
+                manifests.append(self.manifest(info))
+            live_packs: set[str] = set()
+            live_blobs: set[str] = set()
+            for m in manifests:
+                for b in m.blocks:
+                    live_blobs.add(b.blob)
+                    live_packs.add(b.pack)
+            report.live_blobs = len(live_blobs)
+            self.index.refresh(self.store, self.keyring)
+            cutoff = time.time() - grace.total_seconds()
+            doomed = []
+            for o in self.store.list(PACK_PREFIX):
+                pid = o.name.rsplit("/", 1)[-1]
+                if pid in live_packs:
+                    continue
+                if o.mtime > cutoff:
+                    report.kept_young_packs += 1
+                    continue
+                doomed.append(o)
+            doomed_ids = {o.name.rsplit("/", 1)[-1] for o in doomed}
+            report.deleted_packs = sorted(o.name for o in doomed)
+            report.deleted_bytes = sum(o.size for o in doomed)
+            docs = self.index.documents
+            stale_docs = [n for n, recs in docs.items() if any(p.id in doomed_ids for p in recs)]
+            if dry_run:
+                report.rewritten_indexes = len(stale_docs)
+                return report
+            if stale_docs:
+                keep: dict[str, PackRecord] = {}
+                for n in stale_docs:
+                    for p in docs[n]:
+                        if p.id not in doomed_ids:
+                            keep[p.id] = p
+                if keep:
+                    name = index_name(secrets.token_hex(16))
+                    self.store.put(name, encode_index(name, keep.values(), self.keyring))
+                for n in stale_docs:
+                    self.store.delete(n)
+                report.rewritten_indexes = len(stale_docs)
+            for o in doomed:
+                self.store.delete(o.name)
+            self.index.refresh(self.store, self.keyring)
+            report.removed_debris = self.store.cleanup(cutoff)
+            now = time.time()
+            for lk in list_locks(self.store):
+                if now - lk.refreshed > stale_lock_after:
+                    self.store.delete(lk.name)
+                    report.removed_locks += 1
+        log.info(
+            "gc done",
+            extra={"deleted_packs": len(report.deleted_packs), "deleted_bytes": report.deleted_bytes},
+        )
+        return report
+
+    def stats(self) -> dict[str, int]:
+        """Object counts and bytes by kind (packs, index, manifests, locks)."""
+        out: dict[str, int] = {}
+        for prefix in (PACK_PREFIX, INDEX_PREFIX, MANIFEST_PREFIX, LOCK_PREFIX):
+            n = size = 0
+            for o in self.store.list(prefix):
+                n += 1
+                size += o.size
+            out[prefix.rstrip("/") + "_count"] = n
+            out[prefix.rstrip("/") + "_bytes"] = size
+        return out
+
+
+def document_error(name: str, size: int, limit: int) -> GpuckptError:
+    from ckpt.errors import ManifestError
+
+    return ManifestError(f"{name}: {size} bytes exceeds the manifest size limit {limit}")
+
+

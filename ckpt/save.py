@@ -1,0 +1,459 @@
+"""The save pipeline: blocks in, packs and an index out, the manifest last.
+
+Stages, each on its own threads so the whole runs close to its slowest::
+
+    caller thread        dedup: blob id known? reference it, else submit
+    encode pool          checksum → byte planes → zstd → AES-GCM → checksum
+                         → append to the open pack (under a lock)
+    upload pool          a sealed pack → store.put (parallel; multipart on S3)
+
+Memory is bounded: at most ``max_memory`` bytes of raw blocks wait for the
+encoders, and at most ``max_packs_in_flight`` packs (the open one included)
+exist at once; a full budget blocks the caller, which is the backpressure.
+
+Write order (FORMAT.md, "Writing a checkpoint"): every pack durable → one
+index document → the manifest with a conditional create. A failure before the
+manifest leaves no visible checkpoint; packs already written are removed on a
+best-effort basis and otherwise reclaimed by ``gc`` after its grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from ckpt import checksum as cks
+from ckpt.blocks import DTYPES, Block, Namespace
+from ckpt.codecs import AesGcm, BytePlane, Codec, CodecContext, Pipeline, Zstd
+from ckpt.errors import ConfigError, GpuckptError, OperationAborted
+from ckpt.index import PackRecord, encode_index, index_name
+from ckpt.manifest import (
+    BlockRef,
+    CodecSpec,
+    Encryption,
+    Ledger,
+    Manifest,
+    Sizes,
+    check_worker_id,
+    new_checkpoint_id,
+)
+from ckpt.pack import BlobEntry, PackWriter, pack_name
+from ckpt.pins import Pins
+
+if TYPE_CHECKING:
+    from ckpt.repository import Repository
+
+log = logging.getLogger("gpuckpt.save")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Tuning for one save. The defaults suit a 2-core host and object storage."""
+
+    #: target pack size; a pack is sealed when it reaches this
+    pack_size: int = 32 * MiB
+    #: "zstd" or "none"
+    compression: str = "zstd"
+    zstd_level: int = 1
+    #: split multi-byte dtypes into byte planes before compressing
+    byteplane: bool = True
+    #: encoder threads (zstd and numpy release the GIL)
+    workers: int = field(default_factory=lambda: os.cpu_count() or 2)
+    #: parallel pack uploads
+    upload_workers: int = 4
+    #: bound on raw bytes queued for the encoders plus packs in memory
+    max_memory: int = 512 * MiB
+
+    def __post_init__(self) -> None:
+        if self.compression not in ("zstd", "none"):
+            raise ConfigError(f"compression must be 'zstd' or 'none', not {self.compression!r}")
+        if self.pack_size < 64 * 1024:
+            raise ConfigError("pack_size must be at least 64 KiB")
+        if self.workers < 1 or self.upload_workers < 1:
+            raise ConfigError("workers and upload_workers must be at least 1")
+        if self.max_memory < 2 * self.pack_size:
+            raise ConfigError("max_memory must be at least twice pack_size")
+
+    @property
+    def max_packs_in_flight(self) -> int:
+        return max(1, min(self.upload_workers + 1, (self.max_memory // 2) // self.pack_size))
+
+    @property
+    def encode_budget(self) -> int:
+        return max(self.max_memory - self.max_packs_in_flight * self.pack_size, self.pack_size)
+
+
+@dataclass
+class SaveProgress:
+    """Counters a progress callback receives (a snapshot; safe to keep)."""
+
+    blocks: int = 0
+    raw_bytes: int = 0
+    new_blocks: int = 0
+    new_raw_bytes: int = 0
+    stored_bytes: int = 0  # bytes of new blobs after encoding
+    uploaded_bytes: int = 0
+    packs_written: int = 0
+    phase: str = "blocks"
+
+
+class _Budget:
+    """A byte-counting semaphore; ``acquire`` of more than the total waits for
+    everything else to drain, so one huge block cannot deadlock."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self.cond = threading.Condition()
+
+    def acquire(self, n: int, abort: threading.Event) -> None:
+        with self.cond:
+            while self.used > 0 and self.used + n > self.total:
+                if abort.is_set():
+                    raise OperationAborted("save aborted")
+                self.cond.wait(0.1)
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+def choose_pipeline(dtype: str, opts: SaveOptions, key_id: str | None) -> tuple[Codec, ...]:
+    codecs: list[Codec] = []
+    if opts.compression == "zstd":
+        width = DTYPES[dtype]
+        if opts.byteplane and width > 1:
+            # Planes compressed apart: see ckpt/codecs/zstd.py.
+            codecs.append(BytePlane(width))
+            codecs.append(Zstd(opts.zstd_level, segments=width))
+        else:
+            codecs.append(Zstd(opts.zstd_level))
+    if key_id is not None:
+        codecs.append(AesGcm(key_id))
+    return tuple(codecs)
+
+
+class _Saver:
+    def __init__(
+        self,
+        repo: Repository,
+        opts: SaveOptions,
+        progress: Callable[[SaveProgress], None] | None,
+        deadline: float | None,
+    ) -> None:
+        self.repo = repo
+        self.opts = opts
+        self.progress_cb = progress
+        self.deadline = deadline
+        self.key_id = repo.keyring.key_id if repo.keyring else None
+        self.abort = threading.Event()
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.budget = _Budget(opts.encode_budget)
+        self.pack_slots = threading.BoundedSemaphore(opts.max_packs_in_flight)
+        self.pack: PackWriter | None = None
+        self.entries: dict[str, BlobEntry] = {}  # blob id -> entry, for blobs new in this save
+        self.written: list[PackRecord] = []
+        self.uploads: list[Future[None]] = []
+        self.prog = SaveProgress()
+        self._last_progress = 0.0
+        self._pipelines: dict[str, tuple[Pipeline, Pipeline, str, str]] = {}
+        self.encode_pool = ThreadPoolExecutor(opts.workers, thread_name_prefix="gpuckpt-encode")
+        self.upload_pool = ThreadPoolExecutor(opts.upload_workers, thread_name_prefix="gpuckpt-upload")
+
+    # -- helpers -----------------------------------------------------------
+
+    def _pipelines_for(self, dtype: str) -> tuple[Pipeline, Pipeline, str, str]:
+        """(preferred, fallback-without-compression) pipelines and their canonical specs."""
+        p = self._pipelines.get(dtype)
+        if p is None:
+            full = Pipeline(choose_pipeline(dtype, self.opts, self.key_id))
+            plain = Pipeline(choose_pipeline(dtype, SaveOptions(compression="none"), self.key_id))
+            canon = lambda pl: json.dumps(pl.specs(), sort_keys=True, separators=(",", ":"))  # noqa: E731
+            p = (full, plain, canon(full), canon(plain))
+            self._pipelines[dtype] = p
+        return p
+
+    def _fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+        self.abort.set()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            exc = OperationAborted("save did not finish before its deadline; nothing was made visible")
+            self._fail(exc)
+            raise exc
+
+    def _report(self, force: bool = False) -> None:
+        if self.progress_cb is None:
+            return
+        now = time.monotonic()
+        if force or now - self._last_progress > 0.1:
+            self._last_progress = now
+            with self.lock:
+                snap = SaveProgress(**vars(self.prog))
+            self.progress_cb(snap)
+
+    # -- encode stage ------------------------------------------------------------
+
+    def _encode(self, blob_id: str, block: Block) -> None:
+        n = block.nbytes
+        try:
+            if self.abort.is_set():
+                return
+            full, plain, full_c, plain_c = self._pipelines_for(block.dtype)
+            raw_sum = cks.checksum(block.data)
+            ctx = CodecContext(self.repo.keyring, blob_id.encode(), "pack", blob_id)
+            stored = full.encode(block.data, ctx)
+            codec = full_c
+            if full is not plain and memoryview(stored).nbytes >= n + (28 if self.key_id else 0):
+                # Incompressible (already-random data): keep it raw, skip the
+                # decompression cost on restore.
+                stored, codec = plain.encode(block.data, ctx), plain_c
+            stored_sum = cks.checksum(stored)
+            self._add_to_pack(blob_id, stored, n, stored_sum, raw_sum, codec)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self.budget.release(n)
+
+    def _add_to_pack(self, blob_id: str, stored: Any, raw_len: int, s: str, rs: str, codec: str) -> None:
+        sealed: PackWriter | None = None
+        while True:
+            with self.lock:
+                if self.pack is not None:
+                    e = self.pack.add(blob_id, stored, raw_len, s, rs, codec)
+                    self.entries[blob_id] = e
+                    self.prog.stored_bytes += e.length
+                    if self.pack.size >= self.opts.pack_size:
+                        sealed, self.pack = self.pack, None
+                    break
+            # No open pack: take a slot (may wait for an upload to finish).
+            self._acquire_slot()
+            with self.lock:
+                if self.pack is None:
+                    self.pack = PackWriter(secrets.token_hex(16))
+                    continue
+            self.pack_slots.release()  # another thread opened one first
+        if sealed is not None:
+            self._submit_upload(sealed)
+
+    def _acquire_slot(self) -> None:
+        while not self.pack_slots.acquire(timeout=0.1):
+            if self.abort.is_set():
+                raise OperationAborted("save aborted")
+
+    # -- upload stage ------------------------------------------------------------------
+
+    def _submit_upload(self, pw: PackWriter) -> None:
+        fut = self.upload_pool.submit(self._upload, pw)
+        with self.lock:
+            self.uploads.append(fut)
+
+    def _upload(self, pw: PackWriter) -> None:
+        try:
+            if self.abort.is_set():
+                return
+            data = pw.finish(self.repo.keyring)
+            self.repo.store.put(pw.name, data)
+            with self.lock:
+                self.written.append(PackRecord(pw.id, len(data), tuple(pw.entries)))
+                self.prog.uploaded_bytes += len(data)
+                self.prog.packs_written += 1
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self.pack_slots.release()
+
+    # -- the whole ------------------------------------------------------------------------
+
+    def run(self, blocks: Iterable[Block], ns: Namespace) -> tuple[list[tuple[Block, str]], dict[str, BlobEntry]]:
+        """Stream blocks through the pipeline; returns (block, blob id) in input
+        order and the entry for every blob referenced."""
+        index = self.repo.index
+        refs: list[tuple[Block, str]] = []
+        known: dict[str, BlobEntry] = {}
+        submitted: set[str] = set()
+        encodes: list[Future[None]] = []
+        try:
+            for block in blocks:
+                self._check()
+                if not isinstance(block, Block):
+                    raise ConfigError(f"save takes ckpt.Block objects, got {type(block).__name__}")
+                blob_id = self.repo.blob_id(ns, block.key)
+                refs.append((block, blob_id))
+                n = block.nbytes
+                with self.lock:
+                    self.prog.blocks += 1
+                    self.prog.raw_bytes += n
+                if blob_id in submitted or blob_id in known:
+                    continue
+                entry = index.lookup(blob_id)
+                if entry is not None:
+                    known[blob_id] = entry
+                    continue
+                submitted.add(blob_id)
+                with self.lock:
+                    self.prog.new_blocks += 1
+                    self.prog.new_raw_bytes += n
+                self.budget.acquire(n, self.abort)
+                encodes.append(self.encode_pool.submit(self._encode, blob_id, block))
+                self._report()
+            self.prog.phase = "flush"
+            for f in encodes:
+                while True:
+                    self._check()
+                    try:
+                        f.result(timeout=0.1)
+                        break
+                    except TimeoutError:
+                        continue
+            self._check()
+            with self.lock:
+                last, self.pack = self.pack, None
+            if last is not None:
+                if last.entries:
+                    self._submit_upload(last)
+                else:
+                    self.pack_slots.release()
+            while True:
+                with self.lock:
+                    pending = [u for u in self.uploads if not u.done()]
+                if not pending:
+                    break
+                self._check()
+                time.sleep(0.01)
+            self._check()
+            self._report(force=True)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self.encode_pool.shutdown(wait=True, cancel_futures=True)
+            self.upload_pool.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            known.update(self.entries)
+        return refs, known
+
+    def discard_written(self) -> None:
+        """Best-effort removal of packs this failed save wrote (no index or
+        manifest references them, so nothing else can)."""
+        for p in self.written:
+            try:
+                self.repo.store.delete(pack_name(p.id))
+            except GpuckptError:
+                pass  # gc reclaims it after the grace period
+
+
+def save_checkpoint(
+    repo: Repository,
+    blocks: Iterable[Block],
+    *,
+    worker_id: str,
+    namespace: Namespace,
+    pins: Pins,
+    layout: dict[str, Any] | None = None,
+    ledger: Ledger | dict[str, Any] | None = None,
+    canary: dict[str, Any] | None = None,
+    labels: dict[str, str] | None = None,
+    parent: str | None = None,
+    options: SaveOptions | None = None,
+    progress: Callable[[SaveProgress], None] | None = None,
+    deadline: float | None = None,
+) -> Manifest:
+    check_worker_id(worker_id)
+    opts = options or repo.default_save_options()
+    if isinstance(ledger, dict):
+        ledger = Ledger.model_validate(ledger)
+    t0 = time.monotonic()
+    started = datetime.now(UTC)
+    saver = _Saver(repo, opts, progress, deadline)
+    try:
+        refs, entries = saver.run(blocks, namespace)
+    except BaseException:
+        saver.discard_written()
+        raise
+    t_blocks = time.monotonic() - t0
+
+    written = sorted(saver.written, key=lambda p: p.id)
+    try:
+        if written:
+            saver.prog.phase = "index"
+            name = index_name(secrets.token_hex(16))
+            repo.store.put(name, encode_index(name, written, repo.keyring))
+            repo.index.add(name, written)
+
+        codec_table: dict[str, int] = {}
+        block_refs = []
+        for block, blob_id in refs:
+            e = entries[blob_id]
+            ci = codec_table.setdefault(e.codec, len(codec_table))
+            block_refs.append(
+                BlockRef(
+                    key=block.key.hex(), blob=blob_id, pack=e.pack, offset=e.offset, length=e.length,
+                    raw_length=e.raw_length, checksum=e.checksum, raw_checksum=e.raw_checksum,
+                    codec=ci, dtype=block.dtype, shape=list(block.shape),
+                )
+            )
+        prog = saver.prog
+        manifest = Manifest(
+            id=new_checkpoint_id(started),
+            worker_id=worker_id,
+            created=started,
+            parent=parent,
+            namespace=dict(namespace.fields),
+            pins=pins,
+            layout=layout or {},
+            codecs=[[CodecSpec(**s) for s in json.loads(c)] for c in codec_table],
+            blocks=block_refs,
+            ledger=ledger,
+            canary=canary,
+            labels=labels or {},
+            sizes=Sizes(
+                blocks=len(block_refs),
+                raw_bytes=sum(b.raw_length for b in block_refs),
+                stored_bytes=sum(b.length for b in block_refs),
+                new_blocks=prog.new_blocks,
+                new_raw_bytes=prog.new_raw_bytes,
+                new_stored_bytes=prog.stored_bytes,
+                packs_written=len(written),
+            ),
+            timings={"blocks_s": round(t_blocks, 6), "total_s": round(time.monotonic() - t0, 6)},
+            encryption=Encryption(alg="aes-256-gcm", key_id=saver.key_id) if saver.key_id else None,
+        )
+        if deadline is not None and time.monotonic() > deadline:
+            raise OperationAborted("save did not finish before its deadline; nothing was made visible")
+        saver.prog.phase = "manifest"
+        # The commit point: the checkpoint exists once this create succeeds.
+        repo.store.put(manifest.name, manifest.encode(repo.keyring), if_absent=True)
+    except BaseException:
+        # The index document (if written) only names durable packs; it is
+        # harmless and later saves may even dedup against it.
+        raise
+    saver.prog.phase = "done"
+    saver._report(force=True)
+    log.info(
+        "checkpoint saved",
+        extra={
+            "checkpoint": manifest.id, "worker": worker_id, "blocks": manifest.sizes.blocks,
+            "new_blocks": manifest.sizes.new_blocks, "stored_bytes": manifest.sizes.new_stored_bytes,
+            "seconds": manifest.timings["total_s"],
+        },
+    )
+    return manifest

@@ -1,0 +1,102 @@
+"""A testing kit: a fault-injecting store wrapper and helpers.
+
+Shipped with the library (not only the tests) so users can reproduce faults
+against their own stores, in the manner of kopia's testing kit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ckpt.errors import StoreUnavailable
+from ckpt.store.base import Buffer, ObjectInfo, Store
+
+
+class SimulatedCrash(BaseException):
+    """Raised by :class:`FaultyStore` to model a process killed mid-call.
+
+    A BaseException, so ordinary ``except Exception`` clean-up code does not
+    run, just as it would not in a killed process.
+    """
+
+
+@dataclass
+class Fault:
+    """Fail the ``nth`` call (1-based) of ``method`` whose name passes ``match``.
+
+    ``error`` is raised *instead of* the call, or, with ``after=True``, after
+    the call has taken effect (the answer was lost). ``times`` repeats the
+    fault on that many consecutive matching calls.
+    """
+
+    method: str
+    nth: int = 1
+    error: Callable[[], BaseException] = lambda: StoreUnavailable("injected: 503 Slow Down")
+    after: bool = False
+    match: Callable[[str], bool] = lambda _name: True
+    times: int = 1
+    seen: int = field(default=0, init=False)
+
+
+class FaultyStore(Store):
+    """Wraps a store and injects :class:`Fault` s. Counts every call by method."""
+
+    def __init__(self, inner: Store, faults: list[Fault] | None = None) -> None:
+        self.inner = inner
+        self.capabilities = inner.capabilities
+        self.faults = list(faults or [])
+        self.calls: dict[str, int] = {}
+        self.log: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def _check(self, method: str, name: str, when_after: bool) -> None:
+        with self._lock:
+            if not when_after:
+                self.calls[method] = self.calls.get(method, 0) + 1
+                self.log.append((method, name))
+            for f in self.faults:
+                if f.method != method or f.after != when_after or not f.match(name):
+                    continue
+                if not when_after:
+                    f.seen += 1
+                if f.nth <= f.seen < f.nth + f.times:
+                    raise f.error()
+
+    def _run(self, method: str, name: str, fn: Callable[[], object]) -> object:
+        self._check(method, name, False)
+        out = fn()
+        self._check(method, name, True)
+        return out
+
+    def put(self, name: str, data: Buffer, *, if_absent: bool = False) -> None:
+        self._run("put", name, lambda: self.inner.put(name, data, if_absent=if_absent))
+
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        out = self._run("get", name, lambda: self.inner.get(name, offset, length))
+        assert isinstance(out, bytes)
+        return out
+
+    def stat(self, name: str) -> ObjectInfo:
+        out = self._run("stat", name, lambda: self.inner.stat(name))
+        assert isinstance(out, ObjectInfo)
+        return out
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        out = self._run("list", prefix, lambda: list(self.inner.list(prefix)))
+        assert isinstance(out, list)
+        return iter(out)
+
+    def delete(self, name: str) -> None:
+        self._run("delete", name, lambda: self.inner.delete(name))
+
+    def cleanup(self, older_than: float) -> int:
+        return self.inner.cleanup(older_than)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,1 @@
+"""The ``gpuckpt`` command line (see :mod:`cli.main`)."""

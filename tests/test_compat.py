@@ -1,0 +1,373 @@
+"""Compatibility rules, the policy and the restore decision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+
+from ckpt import compat
+from ckpt.compat import (
+    RULES,
+    STRICT,
+    Decision,
+    Policy,
+    Rule,
+    RuleResult,
+    Verdict,
+    check,
+    decide,
+    register,
+)
+from ckpt.errors import ConfigError, IncompatibleCheckpoint
+from ckpt.pins import ABSENT, HostFacts, Pins, WorkerFacts
+from tests.test_pins_fingerprint import INT_FIELDS, pins_strategy
+
+HOST_RULES = [
+    "gpu_product",
+    "gpu_compute_capability",
+    "gpu_count",
+    "driver_version",
+    "cuda_driver_version",
+    "cuda_runtime_version",
+    "cpu_isa",
+    "cpu_arch",
+    "torch_version",
+]
+WORKER_RULES = [
+    "engine",
+    "engine_version",
+    "attention_backend",
+    "kv_layout",
+    "block_size",
+    "kv_dtype",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "rank",
+    "model",
+    "model_revision",
+    "model_digest",
+    "tokenizer_digest",
+    "prefix_hash_algo",
+    "prefix_hash_seed",
+]
+ALL_RULES = HOST_RULES + WORKER_RULES
+STR_RULES = [r for r in ALL_RULES if r not in INT_FIELDS]
+
+BASE: dict[str, Any] = {
+    "gpu_product": "NVIDIA H100 80GB HBM3",
+    "gpu_compute_capability": "9.0",
+    "gpu_count": 8,
+    "driver_version": "550.54.15",
+    "cuda_driver_version": "12.4",
+    "cuda_runtime_version": "12.1",
+    "cpu_isa": "avx512+amx",
+    "cpu_arch": "x86_64",
+    "torch_version": "2.4.0+cu121",
+    "engine": "vllm",
+    "engine_version": "0.6.3",
+    "attention_backend": "FLASH_ATTN",
+    "kv_layout": "[num_blocks,kv_heads,block_size,hk+hv]",
+    "block_size": 16,
+    "kv_dtype": "bfloat16",
+    "tensor_parallel_size": 8,
+    "pipeline_parallel_size": 1,
+    "rank": 0,
+    "model": "/models/llama-3-70b",
+    "model_revision": "main",
+    "model_digest": "sha256:" + "a" * 64,
+    "tokenizer_digest": "sha256:" + "b" * 64,
+    "prefix_hash_algo": "sha256",
+    "prefix_hash_seed": "0",
+}
+OTHER: dict[str, Any] = {
+    name: (value + 1 if isinstance(value, int) else value + "-other")
+    for name, value in BASE.items()
+}
+
+
+def pins(**overrides: Any) -> Pins:
+    facts = {**BASE, **overrides}
+    return Pins(
+        host=HostFacts(**{k: facts[k] for k in HOST_RULES}),
+        worker=WorkerFacts(**{k: facts[k] for k in WORKER_RULES}),
+    )
+
+
+def result_of(rule: str, recorded: Pins, current: Pins) -> RuleResult:
+    (found,) = [r for r in check(recorded, current) if r.rule == rule]
+    return found
+
+
+# --- the registry -----------------------------------------------------------
+
+
+def test_one_rule_per_fact_named_like_the_field() -> None:
+    assert list(RULES) == ALL_RULES
+    assert set(HOST_RULES) == set(HostFacts.model_fields)
+    assert set(WORKER_RULES) == set(WorkerFacts.model_fields)
+    for name, rule in RULES.items():
+        assert rule.name == name
+        assert rule.description
+
+
+def test_model_rule_is_documented_as_advisory() -> None:
+    description = RULES["model"].description
+    assert "Advisory" in description
+    assert "model_digest" in description
+
+
+def test_check_runs_every_rule_in_order() -> None:
+    assert [r.rule for r in check(pins(), pins())] == ALL_RULES
+
+
+def test_verdict_values() -> None:
+    assert [v.value for v in Verdict] == ["match", "mismatch", "unknown"]
+    assert str(Verdict.MISMATCH) == "mismatch"
+
+
+# --- every rule: match, mismatch, unknown ---------------------------------
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+def test_rule_match(rule: str) -> None:
+    r = result_of(rule, pins(), pins())
+    assert r.verdict is Verdict.MATCH
+    assert r.recorded == r.current == BASE[rule]
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+def test_rule_mismatch(rule: str) -> None:
+    r = result_of(rule, pins(), pins(**{rule: OTHER[rule]}))
+    assert r.verdict is Verdict.MISMATCH
+    assert (r.recorded, r.current) == (BASE[rule], OTHER[rule])
+    # Only this rule is affected.
+    others = [x for x in check(pins(), pins(**{rule: OTHER[rule]})) if x.rule != rule]
+    assert all(x.verdict is Verdict.MATCH for x in others)
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+@pytest.mark.parametrize(("recorded", "current"), [(None, "base"), ("base", None), (None, None)])
+def test_rule_unknown(rule: str, recorded: str | None, current: str | None) -> None:
+    old = pins(**{rule: None if recorded is None else BASE[rule]})
+    new = pins(**{rule: None if current is None else BASE[rule]})
+    r = result_of(rule, old, new)
+    assert r.verdict is Verdict.UNKNOWN
+    assert r.detail
+
+
+@pytest.mark.parametrize("rule", STR_RULES)
+def test_absent_on_both_sides_matches(rule: str) -> None:
+    assert result_of(rule, pins(**{rule: ABSENT}), pins(**{rule: ABSENT})).verdict is Verdict.MATCH
+
+
+@pytest.mark.parametrize("rule", STR_RULES)
+def test_absent_against_a_value_is_a_mismatch(rule: str) -> None:
+    assert result_of(rule, pins(**{rule: ABSENT}), pins()).verdict is Verdict.MISMATCH
+    assert result_of(rule, pins(), pins(**{rule: ABSENT})).verdict is Verdict.MISMATCH
+
+
+def test_absent_is_not_unknown() -> None:
+    assert result_of("gpu_product", pins(gpu_product=ABSENT), pins(gpu_product=None)).verdict is (
+        Verdict.UNKNOWN
+    )
+
+
+def test_result_line() -> None:
+    r = RuleResult("driver_version", Verdict.MISMATCH, "550.54.15", "560.35.03")
+    assert r.line == "driver_version: mismatch (checkpoint 550.54.15, here 560.35.03)"
+    assert str(r) == r.line
+    u = RuleResult("gpu_count", Verdict.UNKNOWN, None, 8)
+    assert u.line == "gpu_count: unknown (checkpoint unknown, here 8)"
+    assert RuleResult("model_revision", Verdict.MISMATCH, "", "main").line == (
+        'model_revision: mismatch (checkpoint "", here main)'
+    )
+
+
+# --- decide and the policy --------------------------------------------------
+
+
+def test_identical_pins_restore_warm() -> None:
+    decision = decide(pins(), pins())
+    assert decision.warm
+    assert decision.reasons == []
+    assert len(decision.results) == len(ALL_RULES)
+    decision.raise_if_refused()
+
+
+def test_a_mismatch_refuses_naming_the_rule_and_both_values() -> None:
+    decision = decide(pins(), pins(driver_version="560.35.03"))
+    assert not decision.warm
+    assert decision.reasons == ["driver_version: mismatch (checkpoint 550.54.15, here 560.35.03)"]
+    with pytest.raises(IncompatibleCheckpoint) as info:
+        decision.raise_if_refused()
+    assert info.value.reasons == decision.reasons
+    assert "warm restore refused" in str(info.value)
+    assert "driver_version" in str(info.value)
+    assert "550.54.15" in str(info.value)
+    assert "560.35.03" in str(info.value)
+
+
+def test_every_refusing_rule_is_reported() -> None:
+    decision = decide(pins(), pins(gpu_product="NVIDIA A100-SXM4-80GB", block_size=32, rank=None))
+    assert not decision.warm
+    assert decision.reasons == [
+        "gpu_product: mismatch (checkpoint NVIDIA H100 80GB HBM3, here NVIDIA A100-SXM4-80GB)",
+        "block_size: mismatch (checkpoint 16, here 32)",
+        "rank: unknown (checkpoint 0, here unknown)",
+    ]
+
+
+def test_strict_default_refuses_unknown() -> None:
+    assert not decide(pins(model_digest=None), pins()).warm
+    assert not decide(pins(), pins(model_digest=None), STRICT).warm
+
+
+def test_policy_ignore_disregards_mismatch_and_unknown() -> None:
+    policy = Policy(ignore=frozenset({"driver_version", "model"}))
+    assert decide(pins(), pins(driver_version="560.35.03", model="/mnt/llama"), policy).warm
+    assert decide(pins(driver_version=None), pins(), policy).warm
+    # Other rules still refuse.
+    assert not decide(pins(), pins(kv_dtype="fp8_e4m3"), policy).warm
+
+
+def test_policy_allow_unknown_accepts_unknown_but_not_mismatch() -> None:
+    policy = Policy.from_strings(allow_unknown=["model_revision"])
+    assert decide(pins(model_revision=None), pins(), policy).warm
+    assert decide(pins(), pins(model_revision=None), policy).warm
+    refused = decide(pins(), pins(model_revision="v2"), policy)
+    assert not refused.warm
+    assert refused.reasons == ["model_revision: mismatch (checkpoint main, here v2)"]
+
+
+def test_decision_keeps_all_results_even_when_ignored() -> None:
+    policy = Policy(ignore=frozenset({"driver_version"}))
+    decision = decide(pins(), pins(driver_version="560.35.03"), policy)
+    assert decision.warm
+    dv = [r for r in decision.results if r.rule == "driver_version"]
+    assert dv[0].verdict is Verdict.MISMATCH
+
+
+def test_from_strings_rejects_unknown_rule_names() -> None:
+    with pytest.raises(ConfigError) as info:
+        Policy.from_strings(ignore=["driver_version", "driver_versoin"])
+    message = str(info.value)
+    assert "driver_versoin" in message
+    for name in ALL_RULES:
+        assert name in message  # lists the valid ones
+    with pytest.raises(ConfigError, match="gpu_vendor"):
+        Policy.from_strings(allow_unknown=["gpu_vendor"])
+
+
+def test_from_strings_accepts_comma_separated_and_bare_strings() -> None:
+    policy = Policy.from_strings(
+        ignore=["driver_version, model", " cpu_isa "], allow_unknown="rank"
+    )
+    assert policy.ignore == frozenset({"driver_version", "model", "cpu_isa"})
+    assert policy.allow_unknown == frozenset({"rank"})
+    assert Policy.from_strings() == STRICT
+
+
+def test_direct_construction_validates_names_and_types() -> None:
+    with pytest.raises(ConfigError, match="bogus"):
+        Policy(ignore=frozenset({"bogus"}))
+    with pytest.raises(ConfigError, match="frozenset"):
+        Policy(ignore=["model"])  # type: ignore[arg-type]
+
+
+def test_refused_decision_raises_with_reasons_list() -> None:
+    decision = Decision(warm=False, results=[], reasons=["x: mismatch (checkpoint 1, here 2)"])
+    with pytest.raises(IncompatibleCheckpoint) as info:
+        decision.raise_if_refused()
+    assert info.value.reasons == ["x: mismatch (checkpoint 1, here 2)"]
+
+
+def test_cpu_host_restores_onto_cpu_host_and_not_onto_gpu_host() -> None:
+    cpu = {
+        "gpu_product": ABSENT,
+        "gpu_compute_capability": ABSENT,
+        "gpu_count": 0,
+        "driver_version": ABSENT,
+        "cuda_driver_version": ABSENT,
+        "cuda_runtime_version": ABSENT,
+    }
+    assert decide(pins(**cpu), pins(**cpu)).warm
+    refused = decide(pins(**cpu), pins())
+    assert "gpu_count: mismatch (checkpoint 0, here 8)" in refused.reasons
+    assert "gpu_product: mismatch (checkpoint absent, here NVIDIA H100 80GB HBM3)" in (
+        refused.reasons
+    )
+
+
+# --- extending the registry ---------------------------------------------------
+
+
+@pytest.fixture
+def own_registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Rule]:
+    registry = dict(compat.RULES)
+    monkeypatch.setattr(compat, "RULES", registry)
+    return registry
+
+
+def test_a_registered_rule_runs_and_names_validate(own_registry: dict[str, Rule]) -> None:
+    def major_only(recorded: Any, current: Any) -> tuple[Verdict, str]:
+        if recorded is None or current is None:
+            return Verdict.UNKNOWN, ""
+        same = str(recorded).split(".")[0] == str(current).split(".")[0]
+        return (Verdict.MATCH if same else Verdict.MISMATCH), "major version"
+
+    register(
+        Rule(
+            "driver_major",
+            "Driver major version.",
+            lambda p: p.host.driver_version,
+            major_only,
+        )
+    )
+    results = check(pins(), pins(driver_version="550.90.07"))
+    extra = [r for r in results if r.rule == "driver_major"]
+    assert extra[0].verdict is Verdict.MATCH
+    assert Policy.from_strings(ignore=["driver_major"]).ignore == {"driver_major"}
+    with pytest.raises(ValueError, match="driver_major"):
+        register(Rule("driver_major", "again", lambda p: None))
+
+
+def test_a_rule_that_raises_is_unknown_and_refuses(own_registry: dict[str, Rule]) -> None:
+    def broken(pins: Pins) -> Any:
+        raise KeyError("oops")
+
+    register(Rule("broken", "Always fails.", broken))
+    decision = decide(pins(), pins())
+    (r,) = [x for x in decision.results if x.rule == "broken"]
+    assert r.verdict is Verdict.UNKNOWN
+    assert "rule failed" in r.detail
+    assert not decision.warm
+    assert decide(pins(), pins(), Policy.from_strings(allow_unknown=["broken"])).warm
+
+
+# --- properties ----------------------------------------------------------------
+
+
+def _has_unknown(p: Pins) -> bool:
+    return any(v is None for part in (p.host, p.worker) for v in part.model_dump().values())
+
+
+@given(pins_strategy())
+def test_pins_against_themselves(p: Pins) -> None:
+    # Equal pins never mismatch; they refuse under the strict policy exactly
+    # when some fact is unknown.
+    results = check(p, p)
+    assert all(r.verdict is not Verdict.MISMATCH for r in results)
+    assert decide(p, p).warm == (not _has_unknown(p))
+    lenient = Policy(allow_unknown=frozenset(RULES))
+    assert decide(p, p, lenient).warm
+
+
+@given(pins_strategy(), pins_strategy())
+def test_reasons_are_exactly_the_refusing_rules(a: Pins, b: Pins) -> None:
+    decision = decide(a, b)
+    refusing = [r for r in decision.results if r.verdict is not Verdict.MATCH]
+    assert decision.reasons == [r.line for r in refusing]
+    assert decision.warm == (not refusing)
+    assert decide(a, b, Policy(ignore=frozenset(RULES))).warm
