@@ -41,10 +41,21 @@ SPREAD = torch.linspace(0.05, 3.0, PAGE[-1])
 
 
 WORKER = WorkerFacts(
-    engine="demo", engine_version="0", attention_backend="none", kv_layout="[2,heads,tokens,head]",
-    block_size=32, kv_dtype="bfloat16", tensor_parallel_size=1, pipeline_parallel_size=1, rank=0,
-    model="tiny-random", model_revision="0", model_digest="sha256:" + "0" * 64,
-    tokenizer_digest="absent", prefix_hash_algo="sha256", prefix_hash_seed="0",
+    engine="demo",
+    engine_version="0",
+    attention_backend="none",
+    kv_layout="[2,heads,tokens,head]",
+    block_size=32,
+    kv_dtype="bfloat16",
+    tensor_parallel_size=1,
+    pipeline_parallel_size=1,
+    rank=0,
+    model="tiny-random",
+    model_revision="0",
+    model_digest="sha256:" + "0" * 64,
+    tokenizer_digest="absent",
+    prefix_hash_algo="sha256",
+    prefix_hash_seed="0",
 )
 
 
@@ -72,8 +83,13 @@ def run(repo: Repository, label: str, table: Table) -> None:
             saved.append((m, blocks))
             s = m.sizes
             table.add_row(
-                label, f"worker-{w}", f"#{step}", str(s.blocks), f"{s.raw_bytes / 2**20:.1f}",
-                f"{s.new_stored_bytes / 2**20:.1f}", f"{s.raw_bytes / max(1, s.stored_bytes):.2f}x",
+                label,
+                f"worker-{w}",
+                f"#{step}",
+                str(s.blocks),
+                f"{s.raw_bytes / 2**20:.1f}",
+                f"{s.new_stored_bytes / 2**20:.1f}",
+                f"{s.raw_bytes / max(1, s.stored_bytes):.2f}x",
                 f"{dt * 1000:.0f}",
             )
     # Restore every checkpoint and compare bit for bit.
@@ -100,7 +116,9 @@ def main() -> int:
 
             server = SeaweedServer(tmp / "seaweed")
             server.start()
-            os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_REGION="us-east-1")
+            os.environ.update(
+                AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_REGION="us-east-1"
+            )
             server.make_bucket("demo")
             run(Repository.open(f"s3://demo/ckpts?endpoint={server.endpoint}", key=key, create=True), "s3+aes", table)
         except FileNotFoundError as exc:
@@ -111,7 +129,9 @@ def main() -> int:
         m = repo.manifest("worker-0:latest")
         current = Pins(host=host_facts(), worker=m.pins.worker)
         d = decide(m.pins, current)
-        console.print(f"compatibility of {m.id} with this host: [bold]{'warm restore' if d.warm else 'cold start'}[/bold]")
+        console.print(
+            f"compatibility of {m.id} with this host: [bold]{'warm restore' if d.warm else 'cold start'}[/bold]"
+        )
         other = Pins(host=host_facts(), worker=m.pins.worker.model_copy(update={"block_size": 16}))
         d2 = decide(m.pins, other)
         console.print("a worker launched with --block-size 16 instead: " + "; ".join(d2.reasons))

@@ -101,7 +101,11 @@ class Bench:
         stages = {
             # On a GPU this is the device->host copy into pinned staging; here
             # the host-to-host copy of the same bytes.
-            "copy": timed(lambda: [np.copyto(s, np.frombuffer(b.data, np.uint8)) for s, b in zip(staging, self.blocks, strict=True)]),
+            "copy": timed(
+                lambda: [
+                    np.copyto(s, np.frombuffer(b.data, np.uint8)) for s, b in zip(staging, self.blocks, strict=True)
+                ]
+            ),
             "checksum": timed(lambda: pmap(w, lambda b: cks.checksum(b.data), self.blocks)),
             "codec": timed(lambda: pmap(w, lambda b: self.codec.encode(b.data, self.ctx), self.blocks)),
         }
@@ -129,7 +133,11 @@ class Bench:
         for _ in range(2):
             store = store_factory()
             t = time.perf_counter()
-            pmap(self.opts.upload_workers, lambda ip: store.put(f"packs/{ip[0]:04d}", ip[1]), list(enumerate(packs)))
+            pmap(
+                self.opts.upload_workers,
+                lambda ip, store=store: store.put(f"packs/{ip[0]:04d}", ip[1]),
+                list(enumerate(packs)),
+            )
             best = min(best, time.perf_counter() - t)
         return best
 
@@ -143,7 +151,9 @@ class Bench:
         ranges = plan_ranges(m.blocks)
         w = 8
         stages = {
-            "store read": timed(lambda: pmap(w, lambda r: repo.store.get(pack_name(r.pack), r.start, r.end - r.start), ranges)),
+            "store read": timed(
+                lambda: pmap(w, lambda r: repo.store.get(pack_name(r.pack), r.start, r.end - r.start), ranges)
+            ),
             "checksum": timed(lambda: pmap(self.opts.workers, lambda s: cks.checksum(s), self.stored)),
         }
         if self.keyring is not None:
@@ -151,7 +161,9 @@ class Bench:
             sealed = [kr.seal(e, b"aad") for e in self.encoded]
             stages["decrypt"] = timed(lambda: pmap(self.opts.workers, lambda s: kr.open(s, b"aad", obj="x"), sealed))
         n = self.blocks[0].nbytes
-        stages["codec"] = timed(lambda: pmap(self.opts.workers, lambda e: self.codec.decode(e, self.ctx, n), self.encoded))
+        stages["codec"] = timed(
+            lambda: pmap(self.opts.workers, lambda e: self.codec.decode(e, self.ctx, n), self.encoded)
+        )
         return {k: self.rate(v) for k, v in stages.items()}
 
 
@@ -267,18 +279,26 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\ngpuckpt pipeline benchmark: {args.mib} MiB of bf16 KV in {args.block_kib} KiB blocks, "
-          f"{opts.workers} encoder threads, {opts.upload_workers} uploads, pack {opts.pack_size // MiB} MiB, "
-          f"{os.cpu_count()} cores")
+    print(
+        f"\ngpuckpt pipeline benchmark: {args.mib} MiB of bf16 KV in {args.block_kib} KiB blocks, "
+        f"{opts.workers} encoder threads, {opts.upload_workers} uploads, pack {opts.pack_size // MiB} MiB, "
+        f"{os.cpu_count()} cores"
+    )
     print(f"compression ratio (byteplane + zstd-1): {results[0]['compression_ratio']:.3f}x\n")
     for r in results:
         print(f"[{r['case']}]")
         st = ", ".join(f"{k} {v:.0f}" for k, v in r["save_stages_mbps"].items())
         print(f"  save stages (raw MB/s): {st}")
-        print(f"  save pipeline {r['save_pipeline_mbps']:.0f} MB/s = {r['save_ratio']:.2f} x slowest stage ({r['save_slowest_stage']})")
+        print(
+            f"  save pipeline {r['save_pipeline_mbps']:.0f} MB/s = "
+            f"{r['save_ratio']:.2f} x slowest stage ({r['save_slowest_stage']})"
+        )
         st = ", ".join(f"{k} {v:.0f}" for k, v in r["load_stages_mbps"].items())
         print(f"  load stages (raw MB/s): {st}")
-        print(f"  load pipeline {r['load_pipeline_mbps']:.0f} MB/s = {r['load_ratio']:.2f} x slowest stage ({r['load_slowest_stage']})")
+        print(
+            f"  load pipeline {r['load_pipeline_mbps']:.0f} MB/s = "
+            f"{r['load_ratio']:.2f} x slowest stage ({r['load_slowest_stage']})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,14 +80,16 @@ class Namespace:
 class Block:
     """A block to save. ``data`` is any contiguous buffer of ``prod(shape) * itemsize`` bytes.
 
-    The save pipeline reads ``data`` from worker threads until the save call
-    returns; the caller must not modify it before then.
+    The save pipeline reads ``data`` from worker threads; the caller must not
+    modify it until ``release`` is called (if given: the pipeline calls it
+    exactly once, as soon as it no longer needs the bytes) or the save returns.
     """
 
     key: bytes
     data: Buffer
     dtype: str
     shape: tuple[int, ...]
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or not 1 <= len(self.key) <= 256:
@@ -100,9 +102,7 @@ class Block:
             n *= d
         nbytes = memoryview(self.data).nbytes
         if nbytes != n * itemsize:
-            raise ConfigError(
-                f"block {self.key.hex()}: {nbytes} bytes do not fit shape {self.shape} of {self.dtype}"
-            )
+            raise ConfigError(f"block {self.key.hex()}: {nbytes} bytes do not fit shape {self.shape} of {self.dtype}")
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +111,7 @@ class Block:
     @classmethod
     def from_tensor(cls, key: bytes, tensor: torch.Tensor) -> Block:
         """A block from a CPU tensor (a CUDA tensor must be staged to host first;
-        see :func:`ckpt.staging.stage_to_host`)."""
+        see :class:`ckpt.staging.HostStaging`)."""
         import torch
 
         if tensor.device.type != "cpu":
@@ -119,14 +119,14 @@ class Block:
         t = tensor.contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
         flat = t.reshape(-1).view(torch.uint8)
-        return cls(key, memoryview(flat.numpy()), dtype, tuple(t.shape))
+        return cls(key, flat.numpy().data, dtype, tuple(t.shape))
 
     @classmethod
     def from_array(cls, key: bytes, array: np.ndarray[Any, Any], dtype: str | None = None) -> Block:
         import numpy as np
 
         a = np.ascontiguousarray(array)
-        return cls(key, memoryview(a.reshape(-1).view(np.uint8)), dtype or str(a.dtype), tuple(a.shape))
+        return cls(key, a.reshape(-1).view(np.uint8).data, dtype or str(a.dtype), tuple(a.shape))
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,7 @@ class RuleResult:
         e.g. ``driver_version: mismatch (checkpoint 550.54.15, here 560.35.03)``;
         ``None`` shows as ``unknown``.
         """
-        return (
-            f"{self.rule}: {self.verdict} "
-            f"(checkpoint {_show(self.recorded)}, here {_show(self.current)})"
-        )
+        return f"{self.rule}: {self.verdict} (checkpoint {_show(self.recorded)}, here {_show(self.current)})"
 
     def __str__(self) -> str:
         return self.line
@@ -205,9 +202,7 @@ for _name, _description in _WORKER_RULES.items():
 
 # Every pinned fact must have its rule: a fact added to the models without one
 # would be recorded but never checked.
-if set(HostFacts.model_fields) != set(_HOST_RULES) or set(WorkerFacts.model_fields) != set(
-    _WORKER_RULES
-):
+if set(HostFacts.model_fields) != set(_HOST_RULES) or set(WorkerFacts.model_fields) != set(_WORKER_RULES):
     raise RuntimeError("ckpt.compat: the pinned facts and the rules do not correspond")
 
 
@@ -256,9 +251,7 @@ class Policy:
                 )
 
     @classmethod
-    def from_strings(
-        cls, *, ignore: Iterable[str] = (), allow_unknown: Iterable[str] = ()
-    ) -> Policy:
+    def from_strings(cls, *, ignore: Iterable[str] = (), allow_unknown: Iterable[str] = ()) -> Policy:
         """Build a policy from rule names (each item may itself be comma-separated).
 
         Raises :class:`~ckpt.errors.ConfigError` naming any unknown rule and

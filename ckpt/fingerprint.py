@@ -479,13 +479,9 @@ class _DigestCache:
             merged = {**self._load(), **self.entries}
             # Forget files that are gone, so the cache does not grow forever.
             merged = {k: v for k, v in merged.items() if os.path.exists(k)}
-            data = json.dumps(
-                {"version": _CACHE_VERSION, "entries": merged}, sort_keys=True
-            ).encode()
+            data = json.dumps({"version": _CACHE_VERSION, "entries": merged}, sort_keys=True).encode()
             # mkstemp creates the file 0600; rename makes the swap atomic.
-            fd, tmp = tempfile.mkstemp(
-                dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
-            )
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)

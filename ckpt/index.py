@@ -55,7 +55,9 @@ def decode_index(name: str, data: bytes, keyring: Keyring | None) -> list[PackRe
     for p in packs:
         if not isinstance(p, dict) or not isinstance(p.get("id"), str) or type(p.get("size")) is not int:
             raise FormatError(f"{name}: malformed pack record")
-        out.append(PackRecord(p["id"], p["size"], tuple(rows_to_entries(p["id"], p.get("blobs"), p.get("codecs"), name))))
+        out.append(
+            PackRecord(p["id"], p["size"], tuple(rows_to_entries(p["id"], p.get("blobs"), p.get("codecs"), name)))
+        )
     return out
 
 

@@ -61,9 +61,7 @@ def _parse_key_text(raw: bytes, where: str) -> bytes:
             continue
         if len(key) == KEY_BYTES:
             return key
-    raise ConfigError(
-        f"key from {where} is not 32 bytes (raw), 64 hex digits or base64 of 32 bytes"
-    )
+    raise ConfigError(f"key from {where} is not 32 bytes (raw), 64 hex digits or base64 of 32 bytes")
 
 
 def generate_key() -> str:
@@ -80,7 +78,8 @@ class KeySource:
     @classmethod
     def parse(cls, spec: str) -> KeySource:
         if not (spec.startswith("file:") or spec.startswith("env:")):
-            raise ConfigError(f"key source {spec!r} must be 'file:/path' or 'env:NAME'")
+            # Never echo the value: a user may have pasted the key itself here.
+            raise ConfigError("a key source must be 'file:/path' or 'env:NAME' (key material is not accepted inline)")
         return cls(spec)
 
     def load(self) -> Keyring:
@@ -97,8 +96,7 @@ class KeySource:
             raise ConfigError(f"key file {path}: {exc.strerror}") from exc
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise ConfigError(
-                f"key file {path} is readable by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it"
+                f"key file {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it"
             )
         return Keyring(_parse_key_text(path.read_bytes(), f"file {path}"))
 
@@ -151,9 +149,7 @@ class Keyring:
         """Decrypt and verify; IntegrityError names the object if authentication fails."""
         mv = memoryview(sealed).cast("B")
         if len(mv) < AEAD_OVERHEAD:
-            raise IntegrityError(
-                f"encrypted data in {obj} is truncated ({len(mv)} bytes)", obj=obj, blob=blob
-            )
+            raise IntegrityError(f"encrypted data in {obj} is truncated ({len(mv)} bytes)", obj=obj, blob=blob)
         nonce, body, tag = mv[:NONCE_BYTES], mv[NONCE_BYTES:-TAG_BYTES], mv[-TAG_BYTES:]
         dec = Cipher(algorithms.AES(self.enc_key), modes.GCM(bytes(nonce), bytes(tag))).decryptor()
         dec.authenticate_additional_data(aad)
@@ -164,8 +160,7 @@ class Keyring:
         except InvalidTag:
             where = f"blob {blob} in {obj}" if blob else obj
             raise IntegrityError(
-                f"authentication failed for {where}: the data was modified or was not "
-                "written with this key",
+                f"authentication failed for {where}: the data was modified or was not written with this key",
                 obj=obj,
                 blob=blob,
             ) from None
@@ -181,9 +176,7 @@ class Keyring:
 
     def verify_check(self, check: str, expected_key_id: str) -> None:
         if not hmac.compare_digest(self.key_id, expected_key_id):
-            raise KeyMismatch(
-                f"the key given (id {self.key_id}) is not this repository's key (id {expected_key_id})"
-            )
+            raise KeyMismatch(f"the key given (id {self.key_id}) is not this repository's key (id {expected_key_id})")
         try:
             ok = self.open(base64.b64decode(check), b"key-check", obj="config") == self._CHECK
         except (IntegrityError, binascii.Error, ValueError):

@@ -22,6 +22,7 @@ from ckpt import checksum as cks
 from ckpt.blocks import LoadedBlock
 from ckpt.codecs import CodecContext, Pipeline
 from ckpt.errors import GpuckptError, IntegrityError, ObjectNotFound
+from ckpt.keys import Keyring
 from ckpt.manifest import BlockRef, Manifest
 from ckpt.pack import pack_name
 
@@ -74,19 +75,54 @@ def plan_ranges(refs: Iterable[BlockRef]) -> list[_Range]:
     return out
 
 
-def _decode_ref(repo: Repository, m: Manifest, pipelines: list[Pipeline], ref: BlockRef, stored: memoryview) -> LoadedBlock:
-    obj = pack_name(ref.pack)
-    cks.verify(stored, ref.checksum, obj=obj, blob=ref.blob, what="stored bytes")
-    ctx = CodecContext(repo.keyring, ref.blob.encode(), obj, ref.blob)
-    raw = pipelines[ref.codec].decode(stored, ctx, ref.raw_length)
+def decode_blob(
+    keyring: Keyring | None,
+    pipeline: Pipeline,
+    stored: memoryview,
+    *,
+    obj: str,
+    blob: str,
+    checksum: str,
+    raw_checksum: str,
+    raw_length: int,
+) -> bytearray:
+    """Verify and decode one stored blob; the one place every reader does it.
+
+    Encrypted blobs: the AEAD tag, checked by the first decode stage before
+    anything else runs, authenticates the stored bytes and binds them to the
+    blob id, so a modified or moved blob fails "authentication" (FORMAT.md
+    §10) rather than a checksum; the stored checksum is still checked after.
+    Plain blobs: the stored checksum is checked before decoding. In both, the
+    decoded length and checksum are checked last. Returns writable bytes.
+    """
+    aead_first = pipeline.encrypted
+    if not aead_first:
+        cks.verify(stored, checksum, obj=obj, blob=blob, what="stored bytes")
+    ctx = CodecContext(keyring, blob.encode(), obj, blob)
+    raw = pipeline.decode(stored, ctx, raw_length)
+    if aead_first:
+        cks.verify(stored, checksum, obj=obj, blob=blob, what="stored bytes")
     mv = memoryview(raw).cast("B")
-    if mv.nbytes != ref.raw_length:
+    if mv.nbytes != raw_length:
         raise IntegrityError(
-            f"blob {ref.blob} in {obj} decoded to {mv.nbytes} bytes, expected {ref.raw_length}",
-            obj=obj, blob=ref.blob,
+            f"blob {blob} in {obj} decoded to {mv.nbytes} bytes, expected {raw_length}", obj=obj, blob=blob
         )
-    cks.verify(mv, ref.raw_checksum, obj=obj, blob=ref.blob, what="decoded bytes")
-    data = raw if isinstance(raw, bytearray | bytes) else bytearray(mv)
+    cks.verify(mv, raw_checksum, obj=obj, blob=blob, what="decoded bytes")
+    # Callers view the bytes as tensors, which need a writable buffer.
+    return raw if isinstance(raw, bytearray) else bytearray(mv)
+
+
+def _decode_ref(repo: Repository, pipelines: list[Pipeline], ref: BlockRef, stored: memoryview) -> LoadedBlock:
+    data = decode_blob(
+        repo.keyring,
+        pipelines[ref.codec],
+        stored,
+        obj=pack_name(ref.pack),
+        blob=ref.blob,
+        checksum=ref.checksum,
+        raw_checksum=ref.raw_checksum,
+        raw_length=ref.raw_length,
+    )
     return LoadedBlock(bytes.fromhex(ref.key), data, ref.dtype, tuple(ref.shape))
 
 
@@ -118,9 +154,7 @@ def load_blocks(
         try:
             data = memoryview(repo.store.get(obj, rg.start, rg.end - rg.start))
         except ObjectNotFound as exc:
-            err: GpuckptError = IntegrityError(
-                f"pack {obj} referenced by checkpoint {manifest.id} is missing", obj=obj
-            )
+            err: GpuckptError = IntegrityError(f"pack {obj} referenced by checkpoint {manifest.id} is missing", obj=obj)
             err.__cause__ = exc
             return [BlockFailure(bytes.fromhex(r.key), err) for r in rg.refs]
         except GpuckptError as exc:
@@ -128,7 +162,7 @@ def load_blocks(
         out: list[LoadedBlock | BlockFailure] = []
         for r in rg.refs:
             try:
-                out.append(_decode_ref(repo, manifest, pipelines, r, data[r.offset - rg.start : r.offset - rg.start + r.length]))
+                out.append(_decode_ref(repo, pipelines, r, data[r.offset - rg.start : r.offset - rg.start + r.length]))
             except GpuckptError as exc:
                 out.append(BlockFailure(bytes.fromhex(r.key), exc))
         return out

@@ -65,12 +65,15 @@ def _body(exclusive: bool, operation: str, created: float) -> dict[str, Any]:
 def read_lock(store: Store, name: str) -> LockInfo | None:
     """Read one lock; None if it vanished or cannot be parsed (debris)."""
     try:
-        _, b = document.open_envelope(
-            store.get(name), kind=KIND, supported=(VERSION,), name=name, keyring=None
-        )
+        _, b = document.open_envelope(store.get(name), kind=KIND, supported=(VERSION,), name=name, keyring=None)
         return LockInfo(
-            name, bool(b["exclusive"]), str(b["operation"]), str(b["hostname"]), int(b["pid"]),
-            float(b["created"]), float(b["refreshed"]),
+            name,
+            bool(b["exclusive"]),
+            str(b["operation"]),
+            str(b["hostname"]),
+            int(b["pid"]),
+            float(b["created"]),
+            float(b["refreshed"]),
         )
     except ObjectNotFound:
         return None

@@ -40,8 +40,7 @@ NonNeg = Annotated[int, Field(ge=0)]
 def check_worker_id(worker_id: str) -> str:
     if not isinstance(worker_id, str) or not _WORKER_RE.match(worker_id):
         raise ConfigError(
-            f"worker id {worker_id!r} must be 1-128 characters of [A-Za-z0-9._-], "
-            "starting with a letter or digit"
+            f"worker id {worker_id!r} must be 1-128 characters of [A-Za-z0-9._-], starting with a letter or digit"
         )
     return worker_id
 

@@ -14,6 +14,7 @@ applies are specified in ``ckpt/FORMAT.md``; this module implements them.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import logging
@@ -26,9 +27,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ckpt import document
-from ckpt import checksum as cks
 from ckpt.blocks import Block, LoadedBlock, Namespace
-from ckpt.codecs import CodecContext, Pipeline
+from ckpt.codecs import Pipeline
 from ckpt.errors import (
     CheckpointNotFound,
     ConfigError,
@@ -44,18 +44,18 @@ from ckpt.errors import (
 from ckpt.index import PREFIX as INDEX_PREFIX
 from ckpt.index import MasterIndex, PackRecord, encode_index, index_name
 from ckpt.keys import ALG, Keyring, KeySource
-from ckpt.load import BlockFailure, load_blocks
-from ckpt.lock import PREFIX as LOCK_PREFIX
+from ckpt.load import BlockFailure, decode_blob, load_blocks
 from ckpt.lock import DEFAULT_STALE_AFTER, Lock, list_locks
+from ckpt.lock import PREFIX as LOCK_PREFIX
 from ckpt.manifest import (
     DEFAULT_MAX_BYTES,
-    PREFIX as MANIFEST_PREFIX,
-)
-from ckpt.manifest import (
     Ledger,
     Manifest,
     check_worker_id,
     is_checkpoint_id,
+)
+from ckpt.manifest import (
+    PREFIX as MANIFEST_PREFIX,
 )
 from ckpt.pack import read_trailer
 from ckpt.pins import Pins
@@ -137,9 +137,7 @@ class GcReport:
 
 
 def _ckpt_time(cid: str) -> datetime:
-    return datetime.strptime(cid[:15], "%Y%m%dT%H%M%S").replace(
-        microsecond=int(cid[15:18]) * 1000, tzinfo=UTC
-    )
+    return datetime.strptime(cid[:15], "%Y%m%dT%H%M%S").replace(microsecond=int(cid[15:18]) * 1000, tzinfo=UTC)
 
 
 def _as_keyring(key: KeySource | Keyring | str | None) -> Keyring | None:
@@ -286,9 +284,19 @@ class Repository:
                 mine = self.list(worker_id)
                 parent = mine[-1].id if mine else None
             return save_checkpoint(
-                self, blocks, worker_id=worker_id, namespace=namespace, pins=pins, layout=layout,
-                ledger=ledger, canary=canary, labels=labels, parent=parent, options=options,
-                progress=progress, deadline=deadline,
+                self,
+                blocks,
+                worker_id=worker_id,
+                namespace=namespace,
+                pins=pins,
+                layout=layout,
+                ledger=ledger,
+                canary=canary,
+                labels=labels,
+                parent=parent,
+                options=options,
+                progress=progress,
+                deadline=deadline,
             )
 
     def load(
@@ -319,8 +327,11 @@ class Repository:
 
     def resolve(self, ref: str) -> CheckpointInfo:
         """Find a checkpoint by id, unique id prefix, ``latest`` or ``WORKER:latest``."""
+        if not isinstance(ref, str) or not ref:
+            # An empty prefix would match every checkpoint (and pick the only one).
+            raise ConfigError(f"checkpoint reference {ref!r} is empty")
         if ref == "latest" or ref.endswith(":latest"):
-            worker = None if ref == "latest" else ref[: -len(":latest")]
+            worker = None if ref == "latest" else check_worker_id(ref[: -len(":latest")])
             cps = self.list(worker)
             if not cps:
                 raise CheckpointNotFound(
@@ -353,7 +364,7 @@ class Repository:
             raise CheckpointNotFound(f"checkpoint {info.id} vanished (removed by forget?)") from None
         return Manifest.decode(info.name, data, self.keyring, max_bytes)
 
-    def manifests(self, worker_id: str | None = None) -> list[Manifest]:
+    def manifests(self, worker_id: str | None = None) -> builtins.list[Manifest]:
         infos = self.list(worker_id)
         if not infos:
             return []
@@ -375,7 +386,7 @@ class Repository:
         worker_id: str | None = None,
         dry_run: bool = False,
         now: datetime | None = None,
-    ) -> list[CheckpointInfo]:
+    ) -> builtins.list[CheckpointInfo]:
         """Apply retention per worker: keep the newest ``keep_last`` and any newer
         than ``keep_within``; the newest checkpoint of each worker is always kept.
         Removes manifests only; ``gc`` reclaims the data. Returns what was removed."""
@@ -416,7 +427,13 @@ class Repository:
         checksums, and that every referenced blob exists where it is said to."""
         report = VerifyReport()
         if ref is not None:
-            m = self.manifest(ref)
+            info = self.resolve(ref)
+            try:
+                m = self.manifest(info)
+            except (FormatError, IntegrityError) as exc:
+                # A damaged manifest is a finding, as in the whole-repository check.
+                report.problems.append(Problem(info.name, str(exc)))
+                return report
             report.checked_checkpoints = 1
             failures: list[BlockFailure] = []
             if read_data:
@@ -430,6 +447,7 @@ class Repository:
                     report.problems.append(Problem(obj, str(f.error), getattr(f.error, "blob", None)))
             else:
                 self._check_refs_exist(m, report)
+                report.checked_blobs += len(m.blocks)
             return report
         return self._verify_all(read_data, progress, report)
 
@@ -441,13 +459,18 @@ class Repository:
                     sizes[b.pack] = self.store.stat(f"packs/{b.pack[:2]}/{b.pack}").size
                 except ObjectNotFound:
                     sizes[b.pack] = None
-                    report.problems.append(Problem(f"packs/{b.pack[:2]}/{b.pack}", f"missing pack referenced by {m.name}"))
+                    report.problems.append(
+                        Problem(f"packs/{b.pack[:2]}/{b.pack}", f"missing pack referenced by {m.name}")
+                    )
             size = sizes[b.pack]
             if size is not None and b.offset + b.length > size:
                 report.problems.append(
-                    Problem(f"packs/{b.pack[:2]}/{b.pack}", f"truncated: blob {b.blob} of {m.name} lies past its end", b.blob)
+                    Problem(
+                        f"packs/{b.pack[:2]}/{b.pack}",
+                        f"truncated: blob {b.blob} of {m.name} lies past its end",
+                        b.blob,
+                    )
                 )
-            report.checked_blobs += 1
 
     def _verify_all(
         self, read_data: bool, progress: Callable[[int, int], None] | None, report: VerifyReport
@@ -471,6 +494,7 @@ class Repository:
         for m in manifests:
             self._check_refs_exist(m, report)
         if not read_data:
+            report.checked_blobs = sum(len(m.blocks) for m in manifests)
             return report
         packs = sorted(self.store.list(PACK_PREFIX), key=lambda o: o.name)
         for i, o in enumerate(packs, 1):
@@ -484,11 +508,16 @@ class Repository:
             report.checked_packs += 1
             for e in entries:
                 try:
-                    stored = memoryview(data)[e.offset : e.offset + e.length]
-                    cks.verify(stored, e.checksum, obj=o.name, blob=e.id, what="stored bytes")
-                    pl = Pipeline.from_specs(json.loads(e.codec))
-                    raw = pl.decode(stored, CodecContext(self.keyring, e.id.encode(), o.name, e.id), e.raw_length)
-                    cks.verify(raw, e.raw_checksum, obj=o.name, blob=e.id, what="decoded bytes")
+                    decode_blob(
+                        self.keyring,
+                        Pipeline.from_specs(json.loads(e.codec)),
+                        memoryview(data)[e.offset : e.offset + e.length],
+                        obj=o.name,
+                        blob=e.id,
+                        checksum=e.checksum,
+                        raw_checksum=e.raw_checksum,
+                        raw_length=e.raw_length,
+                    )
                 except GpuckptError as exc:
                     report.problems.append(Problem(o.name, str(exc), e.id))
                 report.checked_blobs += 1
@@ -516,7 +545,7 @@ class Repository:
         manifest cannot be read, nothing is deleted.
         """
         report = GcReport(dry_run=dry_run)
-        with Lock(self.store, exclusive=True, operation="gc", wait=lock_wait, stale_after=stale_lock_after):
+        with Lock(self.store, exclusive=True, operation="gc", wait=lock_wait, stale_after=stale_lock_after) as held:
             infos = self.list()
             manifests = []
             for info in infos:
@@ -567,7 +596,8 @@ class Repository:
             report.removed_debris = self.store.cleanup(cutoff)
             now = time.time()
             for lk in list_locks(self.store):
-                if now - lk.refreshed > stale_lock_after:
+                # Never our own lock (stale_lock_after=0 would otherwise count it).
+                if lk.name != held.name and now - lk.refreshed > stale_lock_after:
                     self.store.delete(lk.name)
                     report.removed_locks += 1
         log.info(
@@ -593,5 +623,3 @@ def document_error(name: str, size: int, limit: int) -> GpuckptError:
     from ckpt.errors import ManifestError
 
     return ManifestError(f"{name}: {size} bytes exceeds the manifest size limit {limit}")
-
-

@@ -19,6 +19,7 @@ best-effort basis and otherwise reclaimed by ``gc`` after its grace period.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckpt import checksum as cks
 from ckpt.blocks import DTYPES, Block, Namespace
@@ -145,6 +146,10 @@ def choose_pipeline(dtype: str, opts: SaveOptions, key_id: str | None) -> tuple[
     return tuple(codecs)
 
 
+def _canon(pipeline: Pipeline) -> str:
+    return json.dumps(pipeline.specs(), sort_keys=True, separators=(",", ":"))
+
+
 class _Saver:
     def __init__(
         self,
@@ -170,6 +175,7 @@ class _Saver:
         self.prog = SaveProgress()
         self._last_progress = 0.0
         self._pipelines: dict[str, tuple[Pipeline, Pipeline, str, str]] = {}
+        self._released: set[int] = set()
         self.encode_pool = ThreadPoolExecutor(opts.workers, thread_name_prefix="gpuckpt-encode")
         self.upload_pool = ThreadPoolExecutor(opts.upload_workers, thread_name_prefix="gpuckpt-upload")
 
@@ -181,10 +187,19 @@ class _Saver:
         if p is None:
             full = Pipeline(choose_pipeline(dtype, self.opts, self.key_id))
             plain = Pipeline(choose_pipeline(dtype, SaveOptions(compression="none"), self.key_id))
-            canon = lambda pl: json.dumps(pl.specs(), sort_keys=True, separators=(",", ":"))  # noqa: E731
-            p = (full, plain, canon(full), canon(plain))
+            p = (full, plain, _canon(full), _canon(plain))
             self._pipelines[dtype] = p
         return p
+
+    def _release(self, block: Block) -> None:
+        """Call the block's release exactly once (the Block contract)."""
+        if block.release is None:
+            return
+        with self.lock:
+            if id(block) in self._released:
+                return
+            self._released.add(id(block))
+        block.release()
 
     def _fail(self, exc: BaseException) -> None:
         with self.lock:
@@ -232,6 +247,7 @@ class _Saver:
             self._fail(exc)
         finally:
             self.budget.release(n)
+            self._release(block)
 
     def _add_to_pack(self, blob_id: str, stored: Any, raw_len: int, s: str, rs: str, codec: str) -> None:
         sealed: PackWriter | None = None
@@ -247,12 +263,18 @@ class _Saver:
             # No open pack: take a slot (may wait for an upload to finish).
             self._acquire_slot()
             with self.lock:
-                if self.pack is None:
-                    self.pack = PackWriter(secrets.token_hex(16))
-                    continue
-            self.pack_slots.release()  # another thread opened one first
+                opened = self._open_pack_if_none()
+            if not opened:
+                self.pack_slots.release()  # another thread opened one first
         if sealed is not None:
             self._submit_upload(sealed)
+
+    def _open_pack_if_none(self) -> bool:
+        """Open a new pack unless one is open; call with ``self.lock`` held."""
+        if self.pack is not None:
+            return False
+        self.pack = PackWriter(secrets.token_hex(16))
+        return True
 
     def _acquire_slot(self) -> None:
         while not self.pack_slots.acquire(timeout=0.1):
@@ -294,7 +316,7 @@ class _Saver:
         try:
             for block in blocks:
                 self._check()
-                if not isinstance(block, Block):
+                if not isinstance(cast(object, block), Block):
                     raise ConfigError(f"save takes ckpt.Block objects, got {type(block).__name__}")
                 blob_id = self.repo.blob_id(ns, block.key)
                 refs.append((block, blob_id))
@@ -303,10 +325,12 @@ class _Saver:
                     self.prog.blocks += 1
                     self.prog.raw_bytes += n
                 if blob_id in submitted or blob_id in known:
+                    self._release(block)
                     continue
                 entry = index.lookup(blob_id)
                 if entry is not None:
                     known[blob_id] = entry
+                    self._release(block)
                     continue
                 submitted.add(blob_id)
                 with self.lock:
@@ -343,10 +367,17 @@ class _Saver:
             self._report(force=True)
         except BaseException as exc:
             self._fail(exc)
+            root = self.error
+            if isinstance(exc, OperationAborted) and root is not None and root is not exc:
+                # We were only woken by the abort: report what caused it.
+                raise root from None
             raise
         finally:
             self.encode_pool.shutdown(wait=True, cancel_futures=True)
             self.upload_pool.shutdown(wait=True, cancel_futures=True)
+            # Encodes cancelled by a failure never ran: release their blocks.
+            for block, _ in refs:
+                self._release(block)
         with self.lock:
             known.update(self.entries)
         return refs, known
@@ -355,10 +386,9 @@ class _Saver:
         """Best-effort removal of packs this failed save wrote (no index or
         manifest references them, so nothing else can)."""
         for p in self.written:
-            try:
+            # On failure gc reclaims it after the grace period.
+            with contextlib.suppress(GpuckptError):
                 self.repo.store.delete(pack_name(p.id))
-            except GpuckptError:
-                pass  # gc reclaims it after the grace period
 
 
 def save_checkpoint(
@@ -406,9 +436,17 @@ def save_checkpoint(
             ci = codec_table.setdefault(e.codec, len(codec_table))
             block_refs.append(
                 BlockRef(
-                    key=block.key.hex(), blob=blob_id, pack=e.pack, offset=e.offset, length=e.length,
-                    raw_length=e.raw_length, checksum=e.checksum, raw_checksum=e.raw_checksum,
-                    codec=ci, dtype=block.dtype, shape=list(block.shape),
+                    key=block.key.hex(),
+                    blob=blob_id,
+                    pack=e.pack,
+                    offset=e.offset,
+                    length=e.length,
+                    raw_length=e.raw_length,
+                    checksum=e.checksum,
+                    raw_checksum=e.raw_checksum,
+                    codec=ci,
+                    dtype=block.dtype,
+                    shape=list(block.shape),
                 )
             )
         prog = saver.prog
@@ -451,8 +489,11 @@ def save_checkpoint(
     log.info(
         "checkpoint saved",
         extra={
-            "checkpoint": manifest.id, "worker": worker_id, "blocks": manifest.sizes.blocks,
-            "new_blocks": manifest.sizes.new_blocks, "stored_bytes": manifest.sizes.new_stored_bytes,
+            "checkpoint": manifest.id,
+            "worker": worker_id,
+            "blocks": manifest.sizes.blocks,
+            "new_blocks": manifest.sizes.new_blocks,
+            "stored_bytes": manifest.sizes.new_stored_bytes,
             "seconds": manifest.timings["total_s"],
         },
     )

@@ -50,6 +50,7 @@ class FaultyStore(Store):
         self.calls: dict[str, int] = {}
         self.log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        self._armed = threading.local()  # after=True faults due when this thread's call returns
 
     @property
     def url(self) -> str:
@@ -57,16 +58,26 @@ class FaultyStore(Store):
 
     def _check(self, method: str, name: str, when_after: bool) -> None:
         with self._lock:
-            if not when_after:
-                self.calls[method] = self.calls.get(method, 0) + 1
-                self.log.append((method, name))
+            if when_after:
+                armed: list[Fault] = getattr(self._armed, "faults", [])
+                self._armed.faults = []
+                if armed:
+                    raise armed[0].error()
+                return
+            self.calls[method] = self.calls.get(method, 0) + 1
+            self.log.append((method, name))
+            # Count the call for every matching fault, before and after ones alike
+            # (an after=True fault must see the calls too, or it never fires).
+            armed = []
             for f in self.faults:
-                if f.method != method or f.after != when_after or not f.match(name):
+                if f.method != method or not f.match(name):
                     continue
-                if not when_after:
-                    f.seen += 1
+                f.seen += 1
                 if f.nth <= f.seen < f.nth + f.times:
-                    raise f.error()
+                    if not f.after:
+                        raise f.error()
+                    armed.append(f)
+            self._armed.faults = armed
 
     def _run(self, method: str, name: str, fn: Callable[[], object]) -> object:
         self._check(method, name, False)

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Final, NoReturn
+from typing import Annotated, Any, Final, NoReturn, TextIO
 
 import typer
 from pydantic import ValidationError
@@ -56,8 +56,6 @@ _JSON_META: Final = "gpuckpt.json"
 _KEY_ENV: Final = "GPUCKPT_KEY"
 _REPO_ENV: Final = "GPUCKPT_REPO"
 
-log = logging.getLogger("gpuckpt.cli")
-
 
 # -- the one error handler -----------------------------------------------------------
 
@@ -71,9 +69,7 @@ def _fail(ctx: _click.Context, exc: ckpt.GpuckptError) -> NoReturn:
     code = exitcodes.exit_code_for(exc)
     message = _one_line(str(exc)) or type(exc).__name__
     if ctx.meta.get(_JSON_META):
-        _emit_json(
-            {"error": {"type": type(exc).__name__, "message": message, "exit_code": code}}
-        )
+        _emit_json({"error": {"type": type(exc).__name__, "message": message, "exit_code": code}})
     typer.echo(f"gpuckpt: error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -91,8 +87,7 @@ class _Group(TyperGroup):
 app = typer.Typer(
     cls=_Group,
     name="gpuckpt",
-    help="Checkpoint LLM serving workers' KV cache to object storage: inspect and maintain "
-    "repositories.",
+    help="Checkpoint LLM serving workers' KV cache to object storage: inspect and maintain repositories.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,  # locals may hold key bytes
 )
@@ -120,22 +115,27 @@ def _json_callback(ctx: typer.Context, value: bool) -> bool:
 JsonOpt = Annotated[
     bool,
     typer.Option(
-        "--json", help="Print one JSON document on stdout instead of tables.",
+        "--json",
+        help="Print one JSON document on stdout instead of tables.",
         callback=_json_callback,
     ),
 ]
 RepoOpt = Annotated[
     str | None,
     typer.Option(
-        "--repo", "-r", metavar="URL", show_default=False,
-        help="Repository: a path, file:///path or s3://bucket/prefix (overrides the global "
-        f"--repo and ${_REPO_ENV}).",
+        "--repo",
+        "-r",
+        metavar="URL",
+        show_default=False,
+        help=f"Repository: a path, file:///path or s3://bucket/prefix (overrides the global --repo and ${_REPO_ENV}).",
     ),
 ]
 KeyOpt = Annotated[
     str | None,
     typer.Option(
-        "--key", metavar="SOURCE", show_default=False,
+        "--key",
+        metavar="SOURCE",
+        show_default=False,
         help=f"Key source, file:/path or env:NAME (overrides the global --key and ${_KEY_ENV}).",
     ),
 ]
@@ -150,8 +150,7 @@ def _duration(value: str | timedelta) -> timedelta:
         return timedelta(0)
     if not text or not re.fullmatch(r"(\d+[smhdw])+", text):
         raise typer.BadParameter(
-            f"invalid duration {value!r}: use a number and a unit (s, m, h, d, w), "
-            "e.g. 30s, 10m, 1h, 7d, 1h30m"
+            f"invalid duration {value!r}: use a number and a unit (s, m, h, d, w), e.g. 30s, 10m, 1h, 7d, 1h30m"
         )
     unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
     total = timedelta(0)
@@ -260,8 +259,11 @@ def _progress(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] |
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        console=_console(stderr=True), transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=_console(stderr=True),
+        transient=True,
     ) as bar:
         task = bar.add_task(what, total=None)
 
@@ -281,19 +283,24 @@ class LogLevel(StrEnum):
     ERROR = "error"
 
 
-_log_handler: logging.Handler | None = None
+class _StderrHandler(logging.StreamHandler[TextIO]):
+    """Writes to whatever ``sys.stderr`` is at the time (never stdout: --json owns it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+_log_handler: _StderrHandler | None = None
 
 
 def _setup_logging(level: LogLevel) -> None:
-    # One handler of ours on the root logger, on the current stderr (so that
-    # log lines never mix into --json output on stdout).
     global _log_handler
     root = logging.getLogger()
-    if _log_handler is not None:
-        root.removeHandler(_log_handler)
-    _log_handler = logging.StreamHandler(sys.stderr)
-    _log_handler.setFormatter(logging.Formatter("gpuckpt: %(levelname)s: %(name)s: %(message)s"))
-    root.addHandler(_log_handler)
+    if _log_handler is None:
+        _log_handler = _StderrHandler()
+        _log_handler.setFormatter(logging.Formatter("gpuckpt: %(levelname)s: %(name)s: %(message)s"))
+        root.addHandler(_log_handler)
     root.setLevel(getattr(logging, level.value.upper()))
 
 
@@ -309,17 +316,22 @@ def _root(
     repo: Annotated[
         str | None,
         typer.Option(
-            "--repo", "-r", metavar="URL", envvar=_REPO_ENV, show_default=False,
-            help="Repository: a path, file:///path or s3://bucket/prefix "
-            "[default: a per-user data directory].",
+            "--repo",
+            "-r",
+            metavar="URL",
+            envvar=_REPO_ENV,
+            show_default=False,
+            help="Repository: a path, file:///path or s3://bucket/prefix (default: a per-user data directory).",
         ),
     ] = None,
     key: Annotated[
         str | None,
         typer.Option(
-            "--key", metavar="SOURCE", envvar=_KEY_ENV, show_default=False,
-            help="Where the repository key is: file:/path (mode 0600) or env:NAME. "
-            "Needed for encrypted repositories.",
+            "--key",
+            metavar="SOURCE",
+            envvar=_KEY_ENV,
+            show_default=False,
+            help="Where the repository key is: file:/path (mode 0600) or env:NAME. Needed for encrypted repositories.",
         ),
     ] = None,
     log_level: Annotated[
@@ -344,9 +356,9 @@ def init_cmd(
     encrypt: Annotated[
         bool | None,
         typer.Option(
-            "--encrypt/--no-encrypt", show_default=False,
-            help="Encrypt everything in the repository with --key [default: encrypt when a "
-            "key is given].",
+            "--encrypt/--no-encrypt",
+            show_default=False,
+            help="Encrypt everything in the repository with --key [default: encrypt when a key is given].",
         ),
     ] = None,
     repo: RepoOpt = None,
@@ -360,15 +372,14 @@ def init_cmd(
         encrypt = source is not None
     if encrypt and source is None:
         raise typer.BadParameter(
-            "--encrypt needs a key: --key file:/path or env:NAME "
-            "(make one with 'gpuckpt key generate PATH')",
-            ctx=ctx, param_hint="'--encrypt'",
+            "--encrypt needs a key: --key file:/path or env:NAME (make one with 'gpuckpt key generate PATH')",
+            ctx=ctx,
+            param_hint="'--encrypt'",
         )
     with ckpt.Repository.init(url, key=source if encrypt else None) as r:
         key_id = r.keyring.key_id if r.keyring is not None else None
         if json_:
-            _emit_json({"repository": r.url, "id": r.config.id, "encrypted": r.encrypted,
-                        "key_id": key_id})
+            _emit_json({"repository": r.url, "id": r.config.id, "encrypted": r.encrypted, "key_id": key_id})
             return
         how = f"encrypted, key id {key_id}" if key_id else "not encrypted"
         typer.echo(f"created repository {r.config.id} at {r.url} ({how})")
@@ -399,8 +410,7 @@ def key_generate(
         _emit_json({"path": str(path), "key_id": key_id})
         return
     typer.echo(
-        f"wrote a new key to {path} (key id {key_id}); keep a copy safe: "
-        "without it the repository cannot be read"
+        f"wrote a new key to {path} (key id {key_id}); keep a copy safe: without it the repository cannot be read"
     )
 
 
@@ -435,12 +445,8 @@ def _read_manifests(r: ckpt.Repository, infos: list[ckpt.CheckpointInfo]) -> lis
 @app.command("ls")
 def ls_cmd(
     ctx: typer.Context,
-    worker: Annotated[
-        str | None, typer.Option("--worker", "-w", help="Only this worker's checkpoints.")
-    ] = None,
-    long: Annotated[
-        bool, typer.Option("--long", "-l", help="Read each manifest: blocks, sizes, parent.")
-    ] = False,
+    worker: Annotated[str | None, typer.Option("--worker", "-w", help="Only this worker's checkpoints.")] = None,
+    long: Annotated[bool, typer.Option("--long", "-l", help="Read each manifest: blocks, sizes, parent.")] = False,
     repo: RepoOpt = None,
     key: KeyOpt = None,
     json_: JsonOpt = False,
@@ -482,8 +488,11 @@ def ls_cmd(
         cells = [info.id, info.worker_id, _created(info), _size(info.size)]
         if long:
             cells += [
-                str(row["blocks"]), _size(row["raw_bytes"]), _size(row["stored_bytes"]),
-                _size(row["new_stored_bytes"]), row["parent"] or "-",
+                str(row["blocks"]),
+                _size(row["raw_bytes"]),
+                _size(row["stored_bytes"]),
+                _size(row["new_stored_bytes"]),
+                row["parent"] or "-",
             ]
         table.add_row(*cells)
     _console().print(table)
@@ -493,8 +502,7 @@ def ls_cmd(
 def inspect_cmd(
     ctx: typer.Context,
     ref: Annotated[
-        str, typer.Argument(metavar="CKPT", help="Checkpoint id, unique id prefix, latest, "
-                            "WORKER:latest or WORKER/ID.")
+        str, typer.Argument(metavar="CKPT", help="Checkpoint id, unique id prefix, latest, WORKER:latest or WORKER/ID.")
     ],
     blocks: Annotated[bool, typer.Option("--blocks", help="Also list every block.")] = False,
     repo: RepoOpt = None,
@@ -520,22 +528,27 @@ def inspect_cmd(
         ("namespace", ", ".join(f"{k}={v}" for k, v in m.namespace.items())),
         ("labels", ", ".join(f"{k}={v}" for k, v in m.labels.items()) or "-"),
         ("layout", json.dumps(m.layout, sort_keys=True) if m.layout else "-"),
-        ("encryption", f"{m.encryption.alg}, key id {m.encryption.key_id}" if m.encryption else "none"),
+        ("encryption", f"{m.encryption.alg} {m.encryption.key_id}" if m.encryption else "none"),
         ("ledger", f"{m.ledger.schema_} v{m.ledger.version}" if m.ledger else "-"),
         ("ledger requests", requests if requests is not None else "-"),
         ("canary", "present" if m.canary is not None else "absent"),
     ]
     out.print(_kv_table("checkpoint", summary))
     s = m.sizes
-    out.print(_kv_table("sizes", [
-        ("blocks", s.blocks),
-        ("raw", _size(s.raw_bytes)),
-        ("stored", _size(s.stored_bytes)),
-        ("new blocks", s.new_blocks),
-        ("new raw", _size(s.new_raw_bytes)),
-        ("new stored", _size(s.new_stored_bytes)),
-        ("packs written", s.packs_written),
-    ]))
+    out.print(
+        _kv_table(
+            "sizes",
+            [
+                ("blocks", s.blocks),
+                ("raw", _size(s.raw_bytes)),
+                ("stored", _size(s.stored_bytes)),
+                ("new blocks", s.new_blocks),
+                ("new raw", _size(s.new_raw_bytes)),
+                ("new stored", _size(s.new_stored_bytes)),
+                ("packs written", s.packs_written),
+            ],
+        )
+    )
     if m.timings:
         out.print(_kv_table("timings", [(k, f"{v:.3f} s") for k, v in m.timings.items()]))
     out.print(_kv_table("codecs", [(str(i), _codec_line(p)) for i, p in enumerate(m.codecs)]))
@@ -547,8 +560,15 @@ def inspect_cmd(
             table.add_column(col, no_wrap=col in ("key", "blob", "pack"))
         for b in m.blocks:
             table.add_row(
-                b.key, b.blob[:16], b.pack, str(b.offset), str(b.length), str(b.raw_length),
-                b.dtype, "x".join(map(str, b.shape)), str(b.codec),
+                b.key,
+                b.blob[:16],
+                b.pack,
+                str(b.offset),
+                str(b.length),
+                str(b.raw_length),
+                b.dtype,
+                "x".join(map(str, b.shape)),
+                str(b.codec),
             )
         out.print(table)
 
@@ -561,8 +581,7 @@ def verify_cmd(
     ctx: typer.Context,
     ref: Annotated[
         str | None,
-        typer.Argument(metavar="[CKPT]", help="One checkpoint; default the whole repository.",
-                       show_default=False),
+        typer.Argument(metavar="[CKPT]", help="One checkpoint; default the whole repository.", show_default=False),
     ] = None,
     no_read_data: Annotated[
         bool,
@@ -609,8 +628,7 @@ def _read_worker_facts(path: Path) -> ckpt.WorkerFacts:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"]) or "<root>"
         raise ckpt.ConfigError(
-            f"worker facts {path}: not a JSON object of WorkerFacts fields "
-            f"(first problem at {loc}: {first['msg']})"
+            f"worker facts {path}: not a JSON object of WorkerFacts fields (first problem at {loc}: {first['msg']})"
         ) from None
 
 
@@ -621,20 +639,25 @@ def compat_cmd(
     worker_facts: Annotated[
         Path | None,
         typer.Option(
-            "--worker-facts", metavar="FILE.json", show_default=False,
+            "--worker-facts",
+            metavar="FILE.json",
+            show_default=False,
             help="The restoring worker's facts (a JSON object of WorkerFacts fields). "
             "Without it only the host is checked: the worker rules are ignored.",
         ),
     ] = None,
     ignore: Annotated[
         list[str] | None,
-        typer.Option("--ignore", metavar="RULE", help="Disregard this rule (repeatable, or a,b).",
-                     show_default=False),
+        typer.Option("--ignore", metavar="RULE", help="Disregard this rule (repeatable, or a,b).", show_default=False),
     ] = None,
     allow_unknown: Annotated[
         list[str] | None,
-        typer.Option("--allow-unknown", metavar="RULE", show_default=False,
-                     help="Accept an unknown verdict for this rule; a mismatch still refuses."),
+        typer.Option(
+            "--allow-unknown",
+            metavar="RULE",
+            show_default=False,
+            help="Accept an unknown verdict for this rule; a mismatch still refuses.",
+        ),
     ] = None,
     repo: RepoOpt = None,
     key: KeyOpt = None,
@@ -654,20 +677,26 @@ def compat_cmd(
     current = ckpt.Pins(host=ckpt.host_facts(), worker=worker or m.pins.worker)
     decision = decide(m.pins, current, policy)
     if json_:
-        _emit_json({
-            "checkpoint": m.id,
-            "warm": decision.warm,
-            "worker_checked": worker is not None,
-            "reasons": decision.reasons,
-            "results": [
-                {
-                    "rule": res.rule, "verdict": str(res.verdict), "checkpoint": res.recorded,
-                    "here": res.current, "detail": res.detail,
-                    "ignored": res.rule in policy.ignore, "refuses": policy.refuses(res),
-                }
-                for res in decision.results
-            ],
-        })
+        _emit_json(
+            {
+                "checkpoint": m.id,
+                "warm": decision.warm,
+                "worker_checked": worker is not None,
+                "reasons": decision.reasons,
+                "results": [
+                    {
+                        "rule": res.rule,
+                        "verdict": str(res.verdict),
+                        "checkpoint": res.recorded,
+                        "here": res.current,
+                        "detail": res.detail,
+                        "ignored": res.rule in policy.ignore,
+                        "refuses": policy.refuses(res),
+                    }
+                    for res in decision.results
+                ],
+            }
+        )
     else:
         table = Table(title=f"compatibility of {m.id}", title_justify="left")
         for col in ("rule", "verdict", "checkpoint", "here"):
@@ -701,7 +730,10 @@ def gc_cmd(
     grace: Annotated[
         timedelta,
         typer.Option(
-            "--grace", parser=_duration, metavar="DURATION", show_default="1h",
+            "--grace",
+            parser=_duration,
+            metavar="DURATION",
+            show_default="1h",
             help="Keep unreferenced packs younger than this (a save may still be using them).",
         ),
     ] = timedelta(hours=1),
@@ -731,17 +763,21 @@ def forget_cmd(
     ctx: typer.Context,
     keep_last: Annotated[
         int | None,
-        typer.Option("--keep-last", min=1, metavar="N", show_default=False,
-                     help="Keep each worker's N newest checkpoints."),
+        typer.Option(
+            "--keep-last", min=1, metavar="N", show_default=False, help="Keep each worker's N newest checkpoints."
+        ),
     ] = None,
     keep_within: Annotated[
         timedelta | None,
-        typer.Option("--keep-within", parser=_duration, metavar="DURATION", show_default=False,
-                     help="Keep checkpoints younger than this, e.g. 7d."),
+        typer.Option(
+            "--keep-within",
+            parser=_duration,
+            metavar="DURATION",
+            show_default=False,
+            help="Keep checkpoints younger than this, e.g. 7d.",
+        ),
     ] = None,
-    worker: Annotated[
-        str | None, typer.Option("--worker", "-w", help="Only this worker's checkpoints.")
-    ] = None,
+    worker: Annotated[str | None, typer.Option("--worker", "-w", help="Only this worker's checkpoints.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report; remove nothing.")] = False,
     repo: RepoOpt = None,
     key: KeyOpt = None,
@@ -753,21 +789,20 @@ def forget_cmd(
     """
     if keep_last is None and keep_within is None:
         raise typer.BadParameter(
-            "give --keep-last N and/or --keep-within DURATION", ctx=ctx,
+            "give --keep-last N and/or --keep-within DURATION",
+            ctx=ctx,
             param_hint="'--keep-last' / '--keep-within'",
         )
     with _open_repo(ctx, repo, key) as r:
-        removed = r.forget(
-            keep_last=keep_last, keep_within=keep_within, worker_id=worker, dry_run=dry_run
-        )
+        removed = r.forget(keep_last=keep_last, keep_within=keep_within, worker_id=worker, dry_run=dry_run)
+    removed = sorted(removed, key=lambda c: (c.id, c.worker_id))
     if json_:
-        _emit_json({
-            "dry_run": dry_run,
-            "removed": [
-                {"id": c.id, "worker": c.worker_id, "created": c.created.isoformat()}
-                for c in removed
-            ],
-        })
+        _emit_json(
+            {
+                "dry_run": dry_run,
+                "removed": [{"id": c.id, "worker": c.worker_id, "created": c.created.isoformat()} for c in removed],
+            }
+        )
         return
     if removed:
         table = Table(title="would remove" if dry_run else "removed", title_justify="left")
@@ -793,11 +828,9 @@ def rm_cmd(
     with _open_repo(ctx, repo, key) as r:
         info = r.delete(ref)
     if json_:
-        _emit_json({"removed": {"id": info.id, "worker": info.worker_id,
-                                "created": info.created.isoformat()}})
+        _emit_json({"removed": {"id": info.id, "worker": info.worker_id, "created": info.created.isoformat()}})
         return
-    typer.echo(f"removed checkpoint {info.id} of worker {info.worker_id}; "
-               "run 'gpuckpt gc' to reclaim its data")
+    typer.echo(f"removed checkpoint {info.id} of worker {info.worker_id}; run 'gpuckpt gc' to reclaim its data")
 
 
 @app.command("stats")

@@ -33,6 +33,13 @@ _S3_ENV_CLEARED = (
 _bucket_seq = itertools.count()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the SeaweedFS server carries the ``s3`` marker."""
+    for item in items:
+        if "seaweed" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)
+
+
 @pytest.fixture(scope="session")
 def seaweed() -> Iterator[SeaweedServer]:
     """One SeaweedFS S3 server for the session, with the test credentials in os.environ."""

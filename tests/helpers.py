@@ -60,15 +60,27 @@ def block_tensor(b: Block) -> torch.Tensor:
 def sample_pins() -> Pins:
     return Pins(
         host=HostFacts(
-            gpu_product="absent", gpu_compute_capability="absent", gpu_count=0,
-            driver_version="absent", cuda_driver_version="absent",
-            cuda_runtime_version="absent", cpu_isa="x86-64-v3", cpu_arch="x86_64",
+            gpu_product="absent",
+            gpu_compute_capability="absent",
+            gpu_count=0,
+            driver_version="absent",
+            cuda_driver_version="absent",
+            cuda_runtime_version="absent",
+            cpu_isa="x86-64-v3",
+            cpu_arch="x86_64",
             torch_version=torch.__version__,
         ),
         worker=WorkerFacts(
-            engine="test", engine_version="0", kv_layout="[blocks,heads,16,64]", block_size=16,
-            kv_dtype="bfloat16", tensor_parallel_size=1, pipeline_parallel_size=1, rank=0,
-            model_digest="sha256:" + "ab" * 32, prefix_hash_algo="sha256",
+            engine="test",
+            engine_version="0",
+            kv_layout="[blocks,heads,16,64]",
+            block_size=16,
+            kv_dtype="bfloat16",
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            rank=0,
+            model_digest="sha256:" + "ab" * 32,
+            prefix_hash_algo="sha256",
         ),
     )
 

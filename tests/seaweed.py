@@ -195,10 +195,7 @@ class SeaweedServer:
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
-                raise RuntimeError(
-                    f"SeaweedFS exited with status {code} while starting; log tail:\n"
-                    + self.log_tail()
-                )
+                raise RuntimeError(f"SeaweedFS exited with status {code} while starting; log tail:\n" + self.log_tail())
             try:
                 client.list_buckets()
                 return

@@ -82,8 +82,7 @@ BASE: dict[str, Any] = {
     "prefix_hash_seed": "0",
 }
 OTHER: dict[str, Any] = {
-    name: (value + 1 if isinstance(value, int) else value + "-other")
-    for name, value in BASE.items()
+    name: (value + 1 if isinstance(value, int) else value + "-other") for name, value in BASE.items()
 }
 
 
@@ -169,9 +168,7 @@ def test_absent_against_a_value_is_a_mismatch(rule: str) -> None:
 
 
 def test_absent_is_not_unknown() -> None:
-    assert result_of("gpu_product", pins(gpu_product=ABSENT), pins(gpu_product=None)).verdict is (
-        Verdict.UNKNOWN
-    )
+    assert result_of("gpu_product", pins(gpu_product=ABSENT), pins(gpu_product=None)).verdict is (Verdict.UNKNOWN)
 
 
 def test_result_line() -> None:
@@ -261,9 +258,7 @@ def test_from_strings_rejects_unknown_rule_names() -> None:
 
 
 def test_from_strings_accepts_comma_separated_and_bare_strings() -> None:
-    policy = Policy.from_strings(
-        ignore=["driver_version, model", " cpu_isa "], allow_unknown="rank"
-    )
+    policy = Policy.from_strings(ignore=["driver_version, model", " cpu_isa "], allow_unknown="rank")
     assert policy.ignore == frozenset({"driver_version", "model", "cpu_isa"})
     assert policy.allow_unknown == frozenset({"rank"})
     assert Policy.from_strings() == STRICT
@@ -295,9 +290,7 @@ def test_cpu_host_restores_onto_cpu_host_and_not_onto_gpu_host() -> None:
     assert decide(pins(**cpu), pins(**cpu)).warm
     refused = decide(pins(**cpu), pins())
     assert "gpu_count: mismatch (checkpoint 0, here 8)" in refused.reasons
-    assert "gpu_product: mismatch (checkpoint absent, here NVIDIA H100 80GB HBM3)" in (
-        refused.reasons
-    )
+    assert "gpu_product: mismatch (checkpoint absent, here NVIDIA H100 80GB HBM3)" in (refused.reasons)
 
 
 # --- extending the registry ---------------------------------------------------

@@ -149,9 +149,7 @@ def test_cpu_isa_from_flags(flags: set[str], arch: str, expected: str) -> None:
 
 def test_read_cpu_flags_takes_the_intersection_over_cores(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
-        "processor\t: 0\nflags\t\t: sse avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: sse avx2\n\n"
-    )
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: sse avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: sse avx2\n\n")
     assert fingerprint._read_cpu_flags(cpuinfo) == {"sse", "avx2"}
     assert fingerprint._read_cpu_flags(tmp_path / "missing") is None
     arm = tmp_path / "arm"
@@ -228,13 +226,9 @@ H100 = {
 def h100_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fingerprint, "_probe_nvml", lambda: dict(H100))
     monkeypatch.setattr(fingerprint, "_probe_cuda_driver", lambda: {"cuda_driver_version": "12.4"})
-    monkeypatch.setattr(
-        fingerprint, "_probe_cuda_runtime", lambda: {"cuda_runtime_version": "12.1"}
-    )
+    monkeypatch.setattr(fingerprint, "_probe_cuda_runtime", lambda: {"cuda_runtime_version": "12.1"})
     monkeypatch.setattr(fingerprint, "_probe_torch", lambda: {"torch_version": "2.4.0+cu121"})
-    monkeypatch.setattr(
-        fingerprint, "_probe_cpu", lambda: {"cpu_arch": "x86_64", "cpu_isa": "avx512+amx"}
-    )
+    monkeypatch.setattr(fingerprint, "_probe_cpu", lambda: {"cpu_arch": "x86_64", "cpu_isa": "avx512+amx"})
 
 
 @pytest.mark.usefixtures("h100_host")
@@ -283,9 +277,7 @@ def test_every_probe_failing_gives_all_unknown(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.usefixtures("h100_host")
 def test_an_invalid_probe_value_is_dropped_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        fingerprint, "_probe_nvml", lambda: {**H100, "gpu_count": "eight", "bogus": 1}
-    )
+    monkeypatch.setattr(fingerprint, "_probe_nvml", lambda: {**H100, "gpu_count": "eight", "bogus": 1})
     facts = host_facts()
     assert facts.gpu_count is None
     assert facts.gpu_product == "NVIDIA H100 80GB HBM3"
@@ -451,9 +443,7 @@ def test_cuda_driver_probe_formats_the_version(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(driver, "cuDriverGetVersion", lambda: (driver.CUresult.CUDA_SUCCESS, 12040))
     assert fingerprint._probe_cuda_driver() == {"cuda_driver_version": "12.4"}
-    monkeypatch.setattr(
-        driver, "cuDriverGetVersion", lambda: (driver.CUresult.CUDA_ERROR_UNKNOWN, 0)
-    )
+    monkeypatch.setattr(driver, "cuDriverGetVersion", lambda: (driver.CUresult.CUDA_ERROR_UNKNOWN, 0))
     assert fingerprint._probe_cuda_driver() == {}
 
 
@@ -538,9 +528,7 @@ def test_model_digest_format_and_stability(model_dir: Path, cache: Path, tmp_pat
     assert tokenizer_digest(model_dir, cache_path=cache) != first
 
 
-def test_model_digest_covers_exactly_config_and_weights(
-    model_dir: Path, cache: Path, hash_calls: list[str]
-) -> None:
+def test_model_digest_covers_exactly_config_and_weights(model_dir: Path, cache: Path, hash_calls: list[str]) -> None:
     model_digest(model_dir, cache_path=cache)
     assert sorted(hash_calls) == sorted(
         [
@@ -645,9 +633,7 @@ def test_a_changed_weight_byte_is_seen_even_with_the_old_mtime(
     assert hash_calls == [WEIGHTS]
 
 
-def test_unchanged_files_are_not_read_again(
-    model_dir: Path, cache: Path, hash_calls: list[str]
-) -> None:
+def test_unchanged_files_are_not_read_again(model_dir: Path, cache: Path, hash_calls: list[str]) -> None:
     model_digest(model_dir, cache_path=cache)
     assert len(hash_calls) == 5
     hash_calls.clear()
@@ -663,9 +649,7 @@ def test_unchanged_files_are_not_read_again(
     assert hash_calls == []
 
 
-def test_racily_clean_files_are_not_cached(
-    model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_racily_clean_files_are_not_cached(model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # With the default window, files changed just now (ctime: the fixture's
     # utime) are hashed on every call until they settle.
     calls: list[str] = []
@@ -681,9 +665,7 @@ def test_racily_clean_files_are_not_cached(
     assert len(calls) == 10
 
 
-def test_cache_file_is_private_and_valid_json(
-    model_dir: Path, cache: Path, hash_calls: list[str]
-) -> None:
+def test_cache_file_is_private_and_valid_json(model_dir: Path, cache: Path, hash_calls: list[str]) -> None:
     model_digest(model_dir, cache_path=cache)
     assert stat.S_IMODE(cache.stat().st_mode) == 0o600
     doc = json.loads(cache.read_text())
@@ -706,9 +688,7 @@ def test_cache_dir_from_environment(
     assert hash_calls == []
 
 
-def test_corrupt_cache_is_ignored_and_rewritten(
-    model_dir: Path, cache: Path, hash_calls: list[str]
-) -> None:
+def test_corrupt_cache_is_ignored_and_rewritten(model_dir: Path, cache: Path, hash_calls: list[str]) -> None:
     digest = model_digest(model_dir, cache_path=cache)
     cache.write_text("{not json")
     os.chmod(cache, 0o600)
@@ -734,9 +714,7 @@ def test_forged_cache_entries_in_a_shared_file_are_not_trusted(
     assert len(hash_calls) == 5
 
 
-def test_entries_of_deleted_files_are_pruned(
-    model_dir: Path, cache: Path, hash_calls: list[str]
-) -> None:
+def test_entries_of_deleted_files_are_pruned(model_dir: Path, cache: Path, hash_calls: list[str]) -> None:
     model_digest(model_dir, cache_path=cache)
     gone = str((model_dir / WEIGHTS).resolve())
     (model_dir / WEIGHTS).unlink()

@@ -66,9 +66,7 @@ def pipeline_names(m: Manifest, codec_index: int) -> list[str]:
 
 
 def save(repo: Repository, blocks: list[Block], **opts: Any) -> Manifest:
-    return repo.save(
-        blocks, worker_id="w0", namespace=NS, pins=sample_pins(), options=SaveOptions(**opts)
-    )
+    return repo.save(blocks, worker_id="w0", namespace=NS, pins=sample_pins(), options=SaveOptions(**opts))
 
 
 def assert_roundtrip(repo: Repository, m: Manifest | str, blocks: list[Block]) -> None:
@@ -145,10 +143,10 @@ def test_roundtrip_local(tmp_path: Any, dtype: str, codec: str, encrypted: bool)
 def test_roundtrip_s3(s3_url: str, codec: str, encrypted: bool) -> None:
     k = Keyring(os.urandom(32)) if encrypted else None
     repo = repo_factory(s3_url, k)
-    blocks = matrix_blocks(KV_DTYPES, [(3, 5, 7), (1,), (0,), (2, 16, 64)], big=False)
-    blocks.append(make_block(999, "bfloat16", big_shape("bfloat16"), seed=7))
+    blocks = [make_block(999, "bfloat16", big_shape("bfloat16"), seed=7)]
+    blocks += matrix_blocks(KV_DTYPES, [(3, 5, 7), (1,), (0,), (2, 16, 64), (32, 1024)], big=False)
     # Small packs: several objects, coalesced ranged reads over S3.
-    m = save(repo, blocks, pack_size=256 * 1024, **CODECS[codec])
+    m = save(repo, blocks, pack_size=64 * 1024, **CODECS[codec])
     assert m.sizes.packs_written >= 2
     assert_pipelines(m, blocks, codec, encrypted)
     again = repo_factory(s3_url, k, create=False)

@@ -64,9 +64,7 @@ def test_temp_files_are_invisible_and_cleaned(tmp_path: Path) -> None:
     assert s.get("p/x") == b"1"
 
 
-def test_enospc_maps_to_storage_full_and_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_enospc_maps_to_storage_full_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = LocalStore(tmp_path / "r")
     s.put("keep", b"old")
     real_write = os.write

@@ -81,9 +81,7 @@ class TestS3Store(StoreTests):
 
 
 def test_from_url_parses_bucket_prefix_endpoint_region() -> None:
-    s = S3Store.from_url(
-        "s3://my-bucket/some/prefix/?endpoint=http://127.0.0.1:8333&region=eu-west-1"
-    )
+    s = S3Store.from_url("s3://my-bucket/some/prefix/?endpoint=http://127.0.0.1:8333&region=eu-west-1")
     with s:
         assert (s.bucket, s.prefix) == ("my-bucket", "some/prefix")
         assert s.endpoint_url == "http://127.0.0.1:8333"
@@ -198,9 +196,7 @@ def test_unreachable_endpoint_is_unavailable() -> None:
 # -- multipart -------------------------------------------------------------------------------
 
 
-def test_multipart_part_dropped_aborts_and_leaves_nothing(
-    small_parts: S3Store, raw: BucketRaw
-) -> None:
+def test_multipart_part_dropped_aborts_and_leaves_nothing(small_parts: S3Store, raw: BucketRaw) -> None:
     attempts: list[str] = []
 
     def drop_part_2(request: Any, **_: Any) -> None:
@@ -260,16 +256,12 @@ class _RawBody:
 
 def test_transient_503_is_retried_by_botocore(s3_url: str, raw: BucketRaw) -> None:
     calls = [0]
-    body = (
-        b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-    )
+    body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 
     def slow_down_twice(request: Any, **_: Any) -> AWSResponse | None:
         calls[0] += 1
         if calls[0] <= 2:
-            return AWSResponse(
-                request.url, 503, {"Content-Type": "application/xml"}, _RawBody(body)
-            )
+            return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _RawBody(body))
         return None
 
     with S3Store.from_url(s3_url, max_attempts=3) as s:
@@ -297,9 +289,7 @@ def test_503_after_retries_is_unavailable(s3_url: str, raw: BucketRaw) -> None:
 # -- debris and checksums --------------------------------------------------------------------------
 
 
-def test_cleanup_aborts_unfinished_uploads_under_prefix(
-    s3_url: str, raw: BucketRaw, s3_bucket: str
-) -> None:
+def test_cleanup_aborts_unfinished_uploads_under_prefix(s3_url: str, raw: BucketRaw, s3_bucket: str) -> None:
     mine = raw.client.create_multipart_upload(Bucket=s3_bucket, Key="repo/packs/debris")
     raw.client.upload_part(
         Bucket=s3_bucket,
@@ -321,9 +311,7 @@ def test_server_rejects_wrong_crc32c(
     s3_url: str, raw: BucketRaw, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with pytest.raises(ClientError) as ei:
-        raw.client.put_object(
-            Bucket=s3_bucket, Key="repo/bad", Body=b"hello", ChecksumCRC32C="AAAAAA=="
-        )
+        raw.client.put_object(Bucket=s3_bucket, Key="repo/bad", Body=b"hello", ChecksumCRC32C="AAAAAA==")
     err = _translate(ei.value, "bad", "put")
     assert isinstance(err, IntegrityError)
     assert "bad" in str(err)

@@ -39,7 +39,7 @@ class BytePlane(Codec):
         # One strided copy per plane: ~10x faster than a transposed copy, and
         # numpy releases the GIL for it, so blobs split in parallel threads.
         for i in range(self.width):
-            planes[i] = a[i:n:self.width]
+            planes[i] = a[i : n : self.width]
         out[n:] = a[n:]
         return out.data
 
@@ -49,6 +49,6 @@ class BytePlane(Codec):
         out = np.empty(len(a), dtype=np.uint8)
         planes = a[:n].reshape(self.width, -1)
         for i in range(self.width):
-            out[i:n:self.width] = planes[i]
+            out[i : n : self.width] = planes[i]
         out[n:] = a[n:]
         return out.data

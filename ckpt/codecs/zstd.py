@@ -41,7 +41,7 @@ class Zstd(Codec):
     segments: int = 1
     name: ClassVar[str] = "zstd"
     # zstandard (de)compressor objects are not thread-safe: one per thread.
-    _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+    _local: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not -7 <= self.level <= 22:
@@ -94,9 +94,10 @@ class Zstd(Codec):
         mv = memoryview(data).cast("B")
         if self.segments == 1:
             return self._decode_frame(mv, size_hint, ctx)
-        bad = lambda why: IntegrityError(  # noqa: E731
-            f"zstd segments of blob {ctx.blob} in {ctx.obj}: {why}", obj=ctx.obj, blob=ctx.blob
-        )
+
+        def bad(why: str) -> IntegrityError:
+            return IntegrityError(f"zstd segments of blob {ctx.blob} in {ctx.obj}: {why}", obj=ctx.obj, blob=ctx.blob)
+
         if mv.nbytes < 1 or mv[0] != self.segments or mv.nbytes < 1 + self.segments * _SEG.size:
             raise bad("bad segment header")
         heads = [_SEG.unpack_from(mv, 1 + i * _SEG.size) for i in range(self.segments)]

@@ -58,8 +58,7 @@ def check_name(name: str) -> str:
     for seg in name.split("/"):
         if seg in ("", ".", "..") or not _SEGMENT.match(seg):
             raise InvalidName(
-                f"invalid object name {name!r}: segment {seg!r} is not [A-Za-z0-9._-]+ "
-                "or is empty, '.' or '..'",
+                f"invalid object name {name!r}: segment {seg!r} is not [A-Za-z0-9._-]+ or is empty, '.' or '..'",
                 key=None,
             )
     return name

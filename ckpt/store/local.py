@@ -14,6 +14,7 @@ conversations.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -130,10 +131,8 @@ class LocalStore(Store):
 
     @staticmethod
     def _discard(tmp: Path) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
 
     def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         path = self._path(name)
@@ -150,8 +149,7 @@ class LocalStore(Store):
             raise _map_oserror(exc, name, "reading") from exc
         if length is not None and len(data) != length:
             raise IntegrityError(
-                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, "
-                f"got {len(data)}",
+                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, got {len(data)}",
                 obj=name,
             )
         return data

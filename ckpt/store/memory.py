@@ -43,8 +43,7 @@ class MemoryStore(Store):
         out = blob[offset : offset + length]
         if len(out) != length:
             raise IntegrityError(
-                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, "
-                f"got {len(out)}",
+                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, got {len(out)}",
                 obj=name,
             )
         return out

@@ -105,9 +105,7 @@ _ACCESS_CODES = frozenset(
         "403",
     }
 )
-_INTEGRITY_CODES = frozenset(
-    {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"}
-)
+_INTEGRITY_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"})
 _FULL_CODES = frozenset({"EntityTooLarge", "QuotaExceeded", "InsufficientStorage", "507"})
 _TRANSIENT_CODES = frozenset(
     {
@@ -131,9 +129,7 @@ _TRANSIENT_CODES = frozenset(
 )
 
 
-def _translate(
-    exc: BaseException, name: str, op: str, *, bucket: str | None = None
-) -> GpuckptError:
+def _translate(exc: BaseException, name: str, op: str, *, bucket: str | None = None) -> GpuckptError:
     """Map a boto3/botocore exception raised by ``op`` on object ``name`` to the
     :mod:`ckpt.errors` tree. Messages name the object, bucket and cause, never
     credentials. The caller raises the result ``from exc``."""
@@ -151,16 +147,12 @@ def _translate(
             cause += f" (HTTP {status})"
 
         if code == "NoSuchBucket":
-            return ObjectNotFound(
-                f"s3 {op} {name!r}: bucket {bucket!r} does not exist ({cause})", key=name
-            )
+            return ObjectNotFound(f"s3 {op} {name!r}: bucket {bucket!r} does not exist ({cause})", key=name)
         if code == "NoSuchUpload":
             # The multipart upload vanished under us: aborted by a concurrent
             # cleanup, or completed by an earlier attempt whose answer was
             # lost. Retrying the whole put is the remedy.
-            return StoreUnavailable(
-                f"s3 {op} {where}: the multipart upload is gone ({cause})", key=name
-            )
+            return StoreUnavailable(f"s3 {op} {where}: the multipart upload is gone ({cause})", key=name)
         if code in _NOT_FOUND_CODES or status == 404:
             return ObjectNotFound(f"not found: {where} ({cause})", key=name)
         if code in ("InvalidRange",) or status == 416:
@@ -178,9 +170,7 @@ def _translate(
         if code in _ACCESS_CODES or status == 403:
             return AccessDenied(f"access denied: s3 {op} {where} ({cause})", key=name)
         if code in _INTEGRITY_CODES:
-            return IntegrityError(
-                f"s3 {op} {where}: the server rejected the bytes' checksum ({cause})", obj=name
-            )
+            return IntegrityError(f"s3 {op} {where}: the server rejected the bytes' checksum ({cause})", obj=name)
         if code in _FULL_CODES or status == 507:
             return StorageFull(f"storage full: s3 {op} {where} ({cause})", key=name)
         if code in _TRANSIENT_CODES or status >= 500 or status == 429:
@@ -198,13 +188,9 @@ def _translate(
     if isinstance(exc, BotoConnectionError | HTTPClientError | IncompleteReadError):
         # EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError,
         # ReadTimeoutError, ResponseStreamingError ...
-        return StoreUnavailable(
-            f"s3 {op} {where}: connection failed: {type(exc).__name__}: {exc}", key=name
-        )
+        return StoreUnavailable(f"s3 {op} {where}: connection failed: {type(exc).__name__}: {exc}", key=name)
     if isinstance(exc, ConnectionError | TimeoutError):
-        return StoreUnavailable(
-            f"s3 {op} {where}: connection failed: {type(exc).__name__}: {exc}", key=name
-        )
+        return StoreUnavailable(f"s3 {op} {where}: connection failed: {type(exc).__name__}: {exc}", key=name)
     if isinstance(exc, BotoCoreError):
         return StoreError(f"s3 {op} {where}: {type(exc).__name__}: {exc}", key=name)
     return StoreError(f"s3 {op} {where}: {type(exc).__name__}: {exc}", key=name)
@@ -294,8 +280,7 @@ def _check_endpoint(endpoint: str) -> str:
         if "@" in parts.netloc:
             # Checked first, and the endpoint never echoed: it holds a secret.
             raise ConfigError(
-                "credentials in the S3 endpoint URL are refused: use the environment, "
-                "a profile or an instance role"
+                "credentials in the S3 endpoint URL are refused: use the environment, a profile or an instance role"
             )
         ok = parts.scheme in ("http", "https") and bool(parts.hostname)
         parts.port  # noqa: B018 - raises ValueError on a malformed port
@@ -347,9 +332,7 @@ class S3Store(Store):
             except InvalidName as exc:
                 raise ConfigError(f"invalid S3 key prefix {prefix!r}: {exc}") from None
         if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
-            raise ConfigError(
-                f"part_size {part_size} is outside S3's limits [{MIN_PART_SIZE}, {MAX_PART_SIZE}]"
-            )
+            raise ConfigError(f"part_size {part_size} is outside S3's limits [{MIN_PART_SIZE}, {MAX_PART_SIZE}]")
         if multipart_threshold < 1:
             raise ConfigError(f"multipart_threshold must be positive, not {multipart_threshold}")
         if max_workers < 1:
@@ -357,9 +340,7 @@ class S3Store(Store):
         if max_attempts < 1:
             raise ConfigError(f"max_attempts must be positive, not {max_attempts}")
         if endpoint_url is None:
-            endpoint_url = next(
-                (os.environ[v] for v in ENDPOINT_ENV_VARS if os.environ.get(v)), None
-            )
+            endpoint_url = next((os.environ[v] for v in ENDPOINT_ENV_VARS if os.environ.get(v)), None)
         if endpoint_url is not None:
             endpoint_url = _check_endpoint(endpoint_url)
 
@@ -422,9 +403,7 @@ class S3Store(Store):
         except ValueError as exc:
             raise ConfigError(f"malformed S3 URL: {exc}") from None
         if parts.scheme != "s3":
-            raise ConfigError(
-                f"not an S3 URL (scheme {parts.scheme!r}): expected s3://bucket/prefix"
-            )
+            raise ConfigError(f"not an S3 URL (scheme {parts.scheme!r}): expected s3://bucket/prefix")
         if "@" in parts.netloc:
             # Never echo the URL: it holds a secret.
             raise ConfigError(
@@ -443,9 +422,7 @@ class S3Store(Store):
         kwargs: dict[str, Any] = {}
         for key, values in query.items():
             if key not in _URL_OPTIONS:
-                raise ConfigError(
-                    f"unknown S3 URL option {key!r} (known: {', '.join(_URL_OPTIONS)})"
-                )
+                raise ConfigError(f"unknown S3 URL option {key!r} (known: {', '.join(_URL_OPTIONS)})")
             if len(values) != 1 or not values[0]:
                 raise ConfigError(f"S3 URL option {key!r} needs exactly one non-empty value")
             kwargs["endpoint_url" if key == "endpoint" else key] = values[0]
@@ -532,9 +509,7 @@ class S3Store(Store):
         create: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
         if self.checksum:
             create["ChecksumAlgorithm"] = "CRC32C"
-        upload_id: str = self._call(
-            name, "put", lambda: self.client.create_multipart_upload(**create)["UploadId"]
-        )
+        upload_id: str = self._call(name, "put", lambda: self.client.create_multipart_upload(**create)["UploadId"])
         try:
             futures: list[Future[dict[str, Any]]] = [
                 self._pool.submit(self._upload_part, key, upload_id, n, view[off : off + length])
@@ -569,9 +544,7 @@ class S3Store(Store):
             self._abort(name, key, upload_id)
             raise
 
-    def _upload_part(
-        self, key: str, upload_id: str, number: int, chunk: memoryview
-    ) -> dict[str, Any]:
+    def _upload_part(self, key: str, upload_id: str, number: int, chunk: memoryview) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": key,
@@ -657,8 +630,7 @@ class S3Store(Store):
             data = data[offset:] if length is None else data[offset : offset + length]
         if length is not None and len(data) != length:
             raise IntegrityError(
-                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, "
-                f"got {len(data)}",
+                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, got {len(data)}",
                 obj=name,
             )
         return data
@@ -668,16 +640,13 @@ class S3Store(Store):
         size = int(head["ContentLength"])
         if offset + length > size:
             raise IntegrityError(
-                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, "
-                f"but it holds {size}",
+                f"object {name!r} is truncated: asked for {length} bytes at offset {offset}, but it holds {size}",
                 obj=name,
             )
         etag = head.get("ETag")
         step = self.part_size
         futures = [
-            self._pool.submit(
-                self._get_range, name, key, off, min(step, offset + length - off), etag
-            )
+            self._pool.submit(self._get_range, name, key, off, min(step, offset + length - off), etag)
             for off in range(offset, offset + length, step)
         ]
         try:
@@ -692,19 +661,13 @@ class S3Store(Store):
 
     def stat(self, name: str) -> ObjectInfo:
         key = self._key(name)
-        head = self._call(
-            name, "stat", lambda: self.client.head_object(Bucket=self.bucket, Key=key)
-        )
-        return ObjectInfo(
-            name=name, size=int(head["ContentLength"]), mtime=head["LastModified"].timestamp()
-        )
+        head = self._call(name, "stat", lambda: self.client.head_object(Bucket=self.bucket, Key=key))
+        return ObjectInfo(name=name, size=int(head["ContentLength"]), mtime=head["LastModified"].timestamp())
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         check_prefix(prefix)
         root = f"{self.prefix}/" if self.prefix else ""
-        pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=root + prefix
-        )
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root + prefix)
         it = iter(pages)
         while True:
             page = self._call(prefix, "list", lambda: next(it, None))
@@ -717,9 +680,7 @@ class S3Store(Store):
                 except InvalidName:
                     log.debug("skipping key that is not a valid object name: %r", obj["Key"])
                     continue
-                yield ObjectInfo(
-                    name=rel, size=int(obj["Size"]), mtime=obj["LastModified"].timestamp()
-                )
+                yield ObjectInfo(name=rel, size=int(obj["Size"]), mtime=obj["LastModified"].timestamp())
 
     def delete(self, name: str) -> None:
         key = self._key(name)
@@ -739,9 +700,7 @@ class S3Store(Store):
         """Abort unfinished multipart uploads under the prefix initiated before
         ``older_than`` (epoch seconds); return how many were aborted."""
         root = f"{self.prefix}/" if self.prefix else ""
-        pages = self.client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=self.bucket, Prefix=root
-        )
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=root)
         it = iter(pages)
         aborted = 0
         while True:
@@ -753,9 +712,7 @@ class S3Store(Store):
                     continue
                 key, upload_id = up["Key"], up["UploadId"]
                 try:
-                    self.client.abort_multipart_upload(
-                        Bucket=self.bucket, Key=key, UploadId=upload_id
-                    )
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
                 except ClientError as exc:
                     if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
                         continue  # someone else finished or aborted it
