@@ -88,34 +88,51 @@ def entries_to_rows(entries: list[BlobEntry]) -> tuple[list[list[Any]], list[Any
 class PackWriter:
     """Accumulates blobs into one pack. Not thread-safe: callers serialize ``add``."""
 
-    def __init__(self, pack_id: str) -> None:
+    def __init__(self, pack_id: str, capacity: int = 0, buffer: bytearray | None = None) -> None:
         self.id = pack_id
         self.name = pack_name(pack_id)
-        self.buf = bytearray(HEADER)
+        # Preallocated to the target size (appending into a growing bytearray
+        # costs repeated reallocations of tens of MiB), and reusable: a fresh
+        # buffer costs a page fault per 4 KiB on first touch.
+        if buffer is None or len(buffer) < max(capacity, HEADER_SIZE):
+            buffer = bytearray(max(capacity, HEADER_SIZE))
+        self.buf = buffer
+        self.buf[:HEADER_SIZE] = HEADER
+        self._len = HEADER_SIZE
         self.entries: list[BlobEntry] = []
 
     @property
     def size(self) -> int:
-        return len(self.buf)
+        return self._len
 
     def add(
         self, blob_id: str, stored: Buffer, raw_length: int, checksum: str, raw_checksum: str, codec: str
     ) -> BlobEntry:
-        offset = len(self.buf)
-        self.buf += stored
-        e = BlobEntry(blob_id, self.id, offset, len(self.buf) - offset, raw_length, checksum, raw_checksum, codec)
+        offset = self._len
+        n = memoryview(stored).nbytes
+        end = offset + n
+        if end > len(self.buf):
+            self.buf.extend(bytes(max(end - len(self.buf), len(self.buf) // 4)))
+        self.buf[offset:end] = stored
+        self._len = end
+        e = BlobEntry(blob_id, self.id, offset, n, raw_length, checksum, raw_checksum, codec)
         self.entries.append(e)
         return e
 
-    def finish(self, keyring: Keyring | None) -> bytearray:
-        """Append trailer and footer; returns the complete pack (the writer's own buffer)."""
+    def finish(self, keyring: Keyring | None) -> memoryview:
+        """Append trailer and footer; returns the complete pack, a view of the
+        writer's buffer (valid until the buffer is reused)."""
         rows, codecs = entries_to_rows(self.entries)
         trailer = json.dumps({"pack": self.id, "codecs": codecs, "blobs": rows}, separators=(",", ":")).encode()
         if keyring is not None:
             trailer = bytes(keyring.seal(trailer, trailer_aad(self.id)))
-        self.buf += trailer
-        self.buf += struct.pack("<Q", len(trailer)) + xxhash.xxh3_128_digest(trailer) + END_MAGIC
-        return self.buf
+        tail = trailer + struct.pack("<Q", len(trailer)) + xxhash.xxh3_128_digest(trailer) + END_MAGIC
+        end = self._len + len(tail)
+        if end > len(self.buf):
+            self.buf.extend(bytes(end - len(self.buf)))
+        self.buf[self._len : end] = tail
+        self._len = end
+        return memoryview(self.buf)[:end]
 
 
 def trailer_aad(pack_id: str) -> bytes:

@@ -138,7 +138,7 @@ def choose_pipeline(dtype: str, opts: SaveOptions, key_id: str | None) -> tuple[
         if opts.byteplane and width > 1:
             # Planes compressed apart: see ckpt/codecs/zstd.py.
             codecs.append(BytePlane(width))
-            codecs.append(Zstd(opts.zstd_level, segments=width))
+            codecs.append(Zstd(opts.zstd_level, segments=width, tuning="planes"))
         else:
             codecs.append(Zstd(opts.zstd_level))
     if key_id is not None:
@@ -176,6 +176,7 @@ class _Saver:
         self._last_progress = 0.0
         self._pipelines: dict[str, tuple[Pipeline, Pipeline, str, str]] = {}
         self._released: set[int] = set()
+        self._free_buffers: list[bytearray] = []  # pack buffers whose upload finished
         self.encode_pool = ThreadPoolExecutor(opts.workers, thread_name_prefix="gpuckpt-encode")
         self.upload_pool = ThreadPoolExecutor(opts.upload_workers, thread_name_prefix="gpuckpt-upload")
 
@@ -273,7 +274,8 @@ class _Saver:
         """Open a new pack unless one is open; call with ``self.lock`` held."""
         if self.pack is not None:
             return False
-        self.pack = PackWriter(secrets.token_hex(16))
+        buffer = self._free_buffers.pop() if self._free_buffers else None
+        self.pack = PackWriter(secrets.token_hex(16), self.opts.pack_size + (1 << 20), buffer)
         return True
 
     def _acquire_slot(self) -> None:
@@ -293,11 +295,19 @@ class _Saver:
             if self.abort.is_set():
                 return
             data = pw.finish(self.repo.keyring)
+            size = len(data)
             self.repo.store.put(pw.name, data)
+            try:
+                data.release()
+                reusable = True
+            except BufferError:  # the store still holds a view: do not reuse
+                reusable = False
             with self.lock:
-                self.written.append(PackRecord(pw.id, len(data), tuple(pw.entries)))
-                self.prog.uploaded_bytes += len(data)
+                self.written.append(PackRecord(pw.id, size, tuple(pw.entries)))
+                self.prog.uploaded_bytes += size
                 self.prog.packs_written += 1
+                if reusable:
+                    self._free_buffers.append(pw.buf)
         except BaseException as exc:
             self._fail(exc)
         finally:

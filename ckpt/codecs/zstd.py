@@ -35,10 +35,21 @@ SAMPLE = 8192
 WORTH_IT = 0.97
 
 
+#: Encoder tunings. Decoding never needs them (zstd frames describe
+#: themselves); they are recorded so a stored spec says how it was written.
+#: "planes" targets byte planes of KV pages: nearly i.i.d. bytes where almost
+#: all the gain is entropy coding and match search is wasted work. A short
+#: hash table and long minimum match skip the search: measured on bf16
+#: exponent planes, ~4.7x faster than level 1 and a slightly better ratio
+#: (1.443x against 1.422x overall).
+TUNINGS = ("default", "planes")
+
+
 @dataclass(frozen=True)
 class Zstd(Codec):
     level: int = 1
     segments: int = 1
+    tuning: str = "default"
     name: ClassVar[str] = "zstd"
     # zstandard (de)compressor objects are not thread-safe: one per thread.
     _local: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
@@ -48,16 +59,34 @@ class Zstd(Codec):
             raise ConfigError(f"zstd level must be in -7..22, not {self.level}")
         if not 1 <= self.segments <= 16:
             raise ConfigError(f"zstd segments must be in 1..16, not {self.segments}")
+        if self.tuning not in TUNINGS:
+            raise ConfigError(f"zstd tuning must be one of {TUNINGS}, not {self.tuning!r}")
 
     def configuration(self) -> dict[str, Any]:
-        if self.segments == 1:
-            return {"level": self.level}
-        return {"level": self.level, "segments": self.segments}
+        conf: dict[str, Any] = {"level": self.level}
+        if self.segments != 1:
+            conf["segments"] = self.segments
+        if self.tuning != "default":
+            conf["tuning"] = self.tuning
+        return conf
 
     def _c(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "c", None)
         if c is None:
-            c = self._local.c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            if self.tuning == "planes":
+                params = zstandard.ZstdCompressionParameters.from_level(
+                    self.level,
+                    strategy=zstandard.STRATEGY_FAST,
+                    min_match=7,
+                    search_log=1,
+                    hash_log=6,
+                    window_log=17,
+                    write_content_size=True,
+                )
+                c = zstandard.ZstdCompressor(compression_params=params)
+            else:
+                c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            self._local.c = c
         return c
 
     def _d(self) -> zstandard.ZstdDecompressor:
