@@ -140,7 +140,8 @@ def _translate(exc: BaseException, name: str, op: str, *, bucket: str | None = N
         message = str(err.get("Message", "") or "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         status = int(status) if status else 0
-        bucket = bucket or err.get("BucketName")
+        named = err.get("BucketName")
+        bucket = bucket or (str(named) if named else None)
         where = f"{name!r}" + (f" in bucket {bucket!r}" if bucket else "")
         cause = f"{code or status}: {message}".rstrip(": ")
         if status:
