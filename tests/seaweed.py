@@ -197,7 +197,14 @@ class SeaweedServer:
                 code = None if self.proc is None else self.proc.returncode
                 raise RuntimeError(f"SeaweedFS exited with status {code} while starting; log tail:\n" + self.log_tail())
             try:
-                client.list_buckets()
+                buckets = client.list_buckets().get("Buckets", [])
+                # After a restart the S3 gateway answers before the volume
+                # server has loaded its volumes (reads fail with 500 for a
+                # while): read one object of every bucket before saying ready.
+                for bucket in buckets:
+                    listing = client.list_objects_v2(Bucket=bucket["Name"], MaxKeys=1)
+                    for obj in listing.get("Contents", []):
+                        client.get_object(Bucket=bucket["Name"], Key=obj["Key"])["Body"].read()
                 return
             except Exception as exc:
                 last = exc

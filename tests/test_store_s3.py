@@ -349,3 +349,28 @@ def test_server_restart_on_same_data(tmp_path: Any, seaweed: SeaweedServer) -> N
     finally:
         server.close()
     assert (tmp_path / "data").is_dir()  # a caller-owned data dir is left in place
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "expected"),
+    [
+        ("ConditionalRequestConflict", 409, "StoreUnavailable"),
+        ("PreconditionFailed", 412, "ObjectExists"),
+        ("SlowDown", 503, "StoreUnavailable"),
+        ("NoSuchKey", 404, "ObjectNotFound"),
+        ("AccessDenied", 403, "AccessDenied"),
+        ("QuotaExceeded", 403, "StorageFull"),
+        ("BadDigest", 400, "IntegrityError"),
+    ],
+)
+def test_translate_maps_s3_codes(code: str, status: int, expected: str) -> None:
+    """The one translation table, without a server: AWS codes SeaweedFS never sends."""
+    from botocore.exceptions import ClientError
+
+    exc = ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},  # type: ignore[typeddict-item]
+        "PutObject",
+    )
+    err = _translate(exc, "manifests/w/1", "put", bucket="b")
+    assert type(err).__name__ == expected
+    assert "manifests/w/1" in str(err)

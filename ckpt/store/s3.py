@@ -90,7 +90,7 @@ _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
 # -- error translation (the one place botocore errors become ckpt errors) ------
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchVersion"})
-_EXISTS_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
+_EXISTS_CODES = frozenset({"PreconditionFailed", "412"})
 _ACCESS_CODES = frozenset(
     {
         "AccessDenied",
@@ -161,6 +161,10 @@ def _translate(exc: BaseException, name: str, op: str, *, bucket: str | None = N
                 f"object {name!r} is truncated: the range asked for runs past its end ({cause})",
                 obj=name,
             )
+        if code == "ConditionalRequestConflict":
+            # 409: another conditional write to the name is in flight. AWS says
+            # retry; the retry then wins or gets 412 (ObjectExists).
+            return StoreUnavailable(f"s3 {op} {where}: conflicting conditional write in flight ({cause})", key=name)
         if code in _EXISTS_CODES or status == 412:
             if op == "get":
                 return StoreUnavailable(
@@ -168,12 +172,13 @@ def _translate(exc: BaseException, name: str, op: str, *, bucket: str | None = N
                     key=name,
                 )
             return ObjectExists(f"object exists: {where} ({cause})", key=name)
-        if code in _ACCESS_CODES or status == 403:
-            return AccessDenied(f"access denied: s3 {op} {where} ({cause})", key=name)
+        # Specific codes before bare statuses: a quota error comes as a 403.
         if code in _INTEGRITY_CODES:
             return IntegrityError(f"s3 {op} {where}: the server rejected the bytes' checksum ({cause})", obj=name)
         if code in _FULL_CODES or status == 507:
             return StorageFull(f"storage full: s3 {op} {where} ({cause})", key=name)
+        if code in _ACCESS_CODES or status == 403:
+            return AccessDenied(f"access denied: s3 {op} {where} ({cause})", key=name)
         if code in _TRANSIENT_CODES or status >= 500 or status == 429:
             return StoreUnavailable(f"s3 {op} {where}: server unavailable ({cause})", key=name)
         return StoreError(f"s3 {op} {where}: {cause}", key=name)
