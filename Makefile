@@ -21,6 +21,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckpt cli agent tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy bench
 
 check: lint test
 

@@ -59,7 +59,7 @@ def make_blocks(total: int, block_bytes: int, seed: int = 0) -> list[Block]:
     return out
 
 
-def timed(fn: Callable[[], Any], repeat: int = 2) -> float:
+def timed(fn: Callable[[], Any], repeat: int = 3) -> float:
     """Best of ``repeat`` runs, in seconds (the first also warms caches)."""
     best = float("inf")
     for _ in range(repeat):
@@ -101,11 +101,7 @@ class Bench:
         stages = {
             # On a GPU this is the device->host copy into pinned staging; here
             # the host-to-host copy of the same bytes.
-            "copy": timed(
-                lambda: [
-                    np.copyto(s, np.frombuffer(b.data, np.uint8)) for s, b in zip(staging, self.blocks, strict=True)
-                ]
-            ),
+            "copy": timed(lambda: self.copy_into(staging)),
             "checksum": timed(lambda: pmap(w, lambda b: cks.checksum(b.data), self.blocks)),
             "codec": timed(lambda: pmap(w, lambda b: self.codec.encode(b.data, self.ctx), self.blocks)),
         }
@@ -115,7 +111,11 @@ class Bench:
         stages["store write"] = self.store_write(store_factory)
         return {k: self.rate(v) for k, v in stages.items()}
 
-    def packs(self) -> list[bytearray]:
+    def copy_into(self, staging: list[np.ndarray[Any, Any]]) -> None:
+        for s, b in zip(staging, self.blocks, strict=True):
+            np.copyto(s, np.frombuffer(b.data, np.uint8))
+
+    def packs(self) -> list[memoryview]:
         out = []
         pw = PackWriter(os.urandom(16).hex())
         for i, s in enumerate(self.stored):
@@ -130,14 +130,10 @@ class Bench:
     def store_write(self, store_factory: Callable[[], Store]) -> float:
         packs = self.packs()
         best = float("inf")
-        for _ in range(2):
+        for _ in range(3):
             store = store_factory()
             t = time.perf_counter()
-            pmap(
-                self.opts.upload_workers,
-                lambda ip, store=store: store.put(f"packs/{ip[0]:04d}", ip[1]),
-                list(enumerate(packs)),
-            )
+            pmap(self.opts.upload_workers, _putter(store), list(enumerate(packs)))
             best = min(best, time.perf_counter() - t)
         return best
 
@@ -167,6 +163,13 @@ class Bench:
         return {k: self.rate(v) for k, v in stages.items()}
 
 
+def _putter(store: Store) -> Callable[[tuple[int, memoryview]], None]:
+    def put(item: tuple[int, memoryview]) -> None:
+        store.put(f"packs/{item[0]:04d}", item[1])
+
+    return put
+
+
 def run_case(
     label: str,
     store_factory: Callable[[], Store],
@@ -180,18 +183,13 @@ def run_case(
     pins = Pins(host=host_facts(), worker=WorkerFacts(engine="bench"))
     ns = Namespace({"engine": "bench", "model": "m"})
 
-    def do_save() -> str:
+    # Each save goes to a fresh repository, so each is a full save (no dedup).
+    t_save = float("inf")
+    for _ in range(3):
         repo = repo_factory()
-        return repo.save(blocks, worker_id="bench", namespace=ns, pins=pins, options=opts).id
-
-    t = time.perf_counter()
-    mid = do_save()
-    t_save = time.perf_counter() - t
-    t = time.perf_counter()
-    do_save()  # a fresh repository: a full save again, not a dedup
-    t_save = min(t_save, time.perf_counter() - t)
-    repo = repo_factory.last  # type: ignore[attr-defined]
-    mid = repo.list()[-1].id
+        t = time.perf_counter()
+        mid = repo.save(blocks, worker_id="bench", namespace=ns, pins=pins, options=opts).id
+        t_save = min(t_save, time.perf_counter() - t)
     load_st = b.load_stages(repo, mid)
     t_load = timed(lambda: sum(1 for _ in repo.load(mid)))
     save_rate, load_rate = b.rate(t_save), b.rate(t_load)
@@ -236,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         def local_repo(key: Keyring | None) -> Callable[[], Repository]:
             def f() -> Repository:
                 r = Repository.open(str(tmp / f"r{time.monotonic_ns()}"), key=key, create=True)
-                f.last = r  # type: ignore[attr-defined]
                 return r
 
             return f
@@ -250,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             from ckpt.store.s3 import S3Store
             from tests.seaweed import SeaweedServer
 
-            server = SeaweedServer(tmp / "seaweed")
-            server.start()
+            server = srv = SeaweedServer(tmp / "seaweed")
+            srv.start()
             os.environ.update(
                 AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_REGION="us-east-1"
             )
@@ -259,15 +256,14 @@ def main(argv: list[str] | None = None) -> int:
 
             def bucket() -> str:
                 n[0] += 1
-                return server.make_bucket(f"bench{n[0]}")  # type: ignore[union-attr]
+                return srv.make_bucket(f"bench{n[0]}")
 
             def s3_store() -> Store:
-                return S3Store(bucket(), "p", endpoint_url=server.endpoint)  # type: ignore[union-attr]
+                return S3Store(bucket(), "p", endpoint_url=srv.endpoint)
 
             def s3_repo(key: Keyring | None) -> Callable[[], Repository]:
                 def f() -> Repository:
-                    r = Repository.open(f"s3://{bucket()}/repo?endpoint={server.endpoint}", key=key, create=True)  # type: ignore[union-attr]
-                    f.last = r  # type: ignore[attr-defined]
+                    r = Repository.open(f"s3://{bucket()}/repo?endpoint={srv.endpoint}", key=key, create=True)
                     return r
 
                 return f
