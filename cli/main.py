@@ -49,6 +49,7 @@ from typer.core import TyperGroup
 
 import ckpt
 from ckpt.compat import Policy, Verdict, decide
+from ckpt.logfmt import JsonFormatter, TextFormatter
 from ckpt.manifest import Manifest
 from cli import exitcodes
 
@@ -294,13 +295,18 @@ class _StderrHandler(logging.StreamHandler[TextIO]):
 _log_handler: _StderrHandler | None = None
 
 
-def _setup_logging(level: LogLevel) -> None:
+class LogFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+def _setup_logging(level: LogLevel, log_format: LogFormat = LogFormat.TEXT) -> None:
     global _log_handler
     root = logging.getLogger()
     if _log_handler is None:
         _log_handler = _StderrHandler()
-        _log_handler.setFormatter(logging.Formatter("gpuckpt: %(levelname)s: %(name)s: %(message)s"))
         root.addHandler(_log_handler)
+    _log_handler.setFormatter(JsonFormatter() if log_format == LogFormat.JSON else TextFormatter())
     root.setLevel(getattr(logging, level.value.upper()))
 
 
@@ -337,13 +343,17 @@ def _root(
     log_level: Annotated[
         LogLevel, typer.Option("--log-level", case_sensitive=False, help="Log level (stderr).")
     ] = LogLevel.WARNING,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option("--log-format", case_sensitive=False, help="Log lines as text or one JSON object each (stderr)."),
+    ] = LogFormat.TEXT,
     version: Annotated[
         bool,
         typer.Option("--version", callback=_version_callback, is_eager=True, help="Show the version."),
     ] = False,
 ) -> None:
     """Inspect and maintain gpuckpt checkpoint repositories."""
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_format)
     ctx.obj = _Settings(repo=repo, key=key)
 
 
