@@ -154,9 +154,7 @@ def load_blocks(
         try:
             data = memoryview(repo.store.get(obj, rg.start, rg.end - rg.start))
         except ObjectNotFound as exc:
-            err: GpuckptError = IntegrityError(f"pack {obj} referenced by checkpoint {manifest.id} is missing", obj=obj)
-            err.__cause__ = exc
-            return [BlockFailure(bytes.fromhex(r.key), err) for r in rg.refs]
+            return relocated(rg, exc)
         except GpuckptError as exc:
             return [BlockFailure(bytes.fromhex(r.key), exc) for r in rg.refs]
         out: list[LoadedBlock | BlockFailure] = []
@@ -165,6 +163,31 @@ def load_blocks(
                 out.append(_decode_ref(repo, pipelines, r, data[r.offset - rg.start : r.offset - rg.start + r.length]))
             except GpuckptError as exc:
                 out.append(BlockFailure(bytes.fromhex(r.key), exc))
+        return out
+
+    def relocated(rg: _Range, exc: ObjectNotFound) -> list[LoadedBlock | BlockFailure]:
+        """The manifest's pack is gone: gc may have repacked its live blobs.
+        Find them through the index and read them there. The stored bytes were
+        copied verbatim, so the manifest's checksums still vouch for them: the
+        index is trusted for locations only."""
+        obj = pack_name(rg.pack)
+        moved = repo.relocate(rg.pack, [r.blob for r in rg.refs])
+        out: list[LoadedBlock | BlockFailure] = []
+        for r in rg.refs:
+            e = moved.get(r.blob)
+            try:
+                if e is None:
+                    err = IntegrityError(f"pack {obj} referenced by checkpoint {manifest.id} is missing", obj=obj)
+                    err.__cause__ = exc
+                    raise err
+                if e.length != r.length:
+                    raise IntegrityError(
+                        f"blob {r.blob} moved to {pack_name(e.pack)} with another length", obj=pack_name(e.pack)
+                    )
+                stored = memoryview(repo.store.get(pack_name(e.pack), e.offset, e.length))
+                out.append(_decode_ref(repo, pipelines, r, stored))
+            except GpuckptError as failure:
+                out.append(BlockFailure(bytes.fromhex(r.key), failure))
         return out
 
     window = max(2, workers * 2)

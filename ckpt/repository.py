@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from ckpt import checksum as cks
 from ckpt import document
 from ckpt.blocks import Block, LoadedBlock, Namespace
 from ckpt.codecs import Pipeline
@@ -57,10 +59,10 @@ from ckpt.manifest import (
 from ckpt.manifest import (
     PREFIX as MANIFEST_PREFIX,
 )
-from ckpt.pack import read_trailer
+from ckpt.pack import BlobEntry, PackWriter, read_trailer
 from ckpt.pins import Pins
 from ckpt.save import SaveOptions, SaveProgress, save_checkpoint
-from ckpt.store.base import Store
+from ckpt.store.base import ObjectInfo, Store
 from ckpt.url import open_store
 
 log = logging.getLogger("gpuckpt.repository")
@@ -129,6 +131,8 @@ class GcReport:
     live_blobs: int = 0
     deleted_packs: list[str] = field(default_factory=list)
     deleted_bytes: int = 0
+    repacked_packs: list[str] = field(default_factory=list)
+    reclaimed_bytes: int = 0  # store bytes freed, deleted and repacked packs together
     kept_young_packs: int = 0
     rewritten_indexes: int = 0
     removed_locks: int = 0
@@ -157,6 +161,7 @@ class Repository:
         self.config = config
         self.keyring = keyring
         self.index = MasterIndex()
+        self._relocate_lock = threading.Lock()
 
     # -- opening -------------------------------------------------------------------
 
@@ -225,6 +230,19 @@ class Repository:
 
     def close(self) -> None:
         self.store.close()
+
+    def relocate(self, missing_pack: str, blob_ids: Iterable[str]) -> dict[str, BlobEntry]:
+        """Where blobs that a manifest places in ``missing_pack`` live now
+        (moved by a gc repack), from a freshly read index. Blobs not found
+        elsewhere are absent from the result."""
+        with self._relocate_lock:
+            self.index.refresh(self.store, self.keyring)
+        out = {}
+        for b in blob_ids:
+            e = self.index.lookup(b)
+            if e is not None and e.pack != missing_pack:
+                out[b] = e
+        return out
 
     def __enter__(self) -> Repository:
         return self
@@ -453,15 +471,25 @@ class Repository:
 
     def _check_refs_exist(self, m: Manifest, report: VerifyReport) -> None:
         sizes: dict[str, int | None] = {}
+        by_pack: dict[str, builtins.list[str]] = {}
+        for b in m.blocks:
+            by_pack.setdefault(b.pack, []).append(b.blob)
         for b in m.blocks:
             if b.pack not in sizes:
                 try:
                     sizes[b.pack] = self.store.stat(f"packs/{b.pack[:2]}/{b.pack}").size
                 except ObjectNotFound:
                     sizes[b.pack] = None
-                    report.problems.append(
-                        Problem(f"packs/{b.pack[:2]}/{b.pack}", f"missing pack referenced by {m.name}")
-                    )
+                    # Repacked by gc? Then every blob must be found elsewhere.
+                    moved = self.relocate(b.pack, by_pack[b.pack])
+                    lost = [x for x in by_pack[b.pack] if x not in moved]
+                    if lost:
+                        report.problems.append(
+                            Problem(
+                                f"packs/{b.pack[:2]}/{b.pack}",
+                                f"missing pack referenced by {m.name} ({len(lost)} blobs not found elsewhere)",
+                            )
+                        )
             size = sizes[b.pack]
             if size is not None and b.offset + b.length > size:
                 report.problems.append(
@@ -534,16 +562,22 @@ class Repository:
         dry_run: bool = False,
         lock_wait: float = 0.0,
         stale_lock_after: float = DEFAULT_STALE_AFTER,
+        repack_below: float = 0.5,
     ) -> GcReport:
-        """Mark and sweep, under the exclusive lock.
+        """Mark, repack and sweep, under the exclusive lock (FORMAT.md §9).
 
-        Live = every blob any manifest references. A pack is deleted when it
-        holds no live blob and is older than ``grace`` (young packs may belong
-        to a save that crashed a moment ago, or whose lock went stale while it
-        still runs). Order: write the rewritten index, delete the old index
-        documents, then delete packs — references go before data. If any
-        manifest cannot be read, nothing is deleted.
+        Live = every blob any manifest references. Among packs older than
+        ``grace`` (young ones may belong to a save that crashed a moment ago,
+        or whose lock went stale while it still runs): a pack with no live
+        blob is deleted; a pack whose live blobs fill less than
+        ``repack_below`` of it has them copied, verbatim and verified, into
+        new packs, then is deleted (0 turns repacking off). Order: new packs
+        durable → one rewritten index document → old index documents deleted
+        → old packs deleted: references go before data. If any manifest
+        cannot be read, nothing is deleted.
         """
+        if not 0.0 <= repack_below <= 1.0:
+            raise ConfigError("repack_below must be between 0 and 1")
         report = GcReport(dry_run=dry_run)
         with Lock(self.store, exclusive=True, operation="gc", wait=lock_wait, stale_after=stale_lock_after) as held:
             infos = self.list()
@@ -552,47 +586,51 @@ class Repository:
                 # Any failure here aborts gc: deleting data on a manifest we
                 # could not read would destroy a checkpoint.
                 manifests.append(self.manifest(info))
-            live_packs: set[str] = set()
+            named_packs: set[str] = set()
             live_blobs: set[str] = set()
             for m in manifests:
                 for b in m.blocks:
                     live_blobs.add(b.blob)
-                    live_packs.add(b.pack)
+                    named_packs.add(b.pack)
             report.live_blobs = len(live_blobs)
             self.index.refresh(self.store, self.keyring)
+            indexed = self.index.packs
             cutoff = time.time() - grace.total_seconds()
-            doomed = []
+            doomed: list[ObjectInfo] = []
+            to_repack: list[tuple[ObjectInfo, list[BlobEntry]]] = []
             for o in self.store.list(PACK_PREFIX):
                 pid = o.name.rsplit("/", 1)[-1]
-                if pid in live_packs:
+                rec = indexed.get(pid)
+                live = [e for e in rec.entries if e.id in live_blobs] if rec is not None else []
+                if rec is None and pid in named_packs:
+                    continue  # a manifest names it but no index does: keep, never guess
+                total = sum(e.length for e in rec.entries) if rec is not None else 0
+                live_bytes = sum(e.length for e in live)
+                if live and live_bytes >= repack_below * total:
                     continue
                 if o.mtime > cutoff:
                     report.kept_young_packs += 1
                     continue
-                doomed.append(o)
-            doomed_ids = {o.name.rsplit("/", 1)[-1] for o in doomed}
+                if live:
+                    to_repack.append((o, live))
+                else:
+                    doomed.append(o)
+            if dry_run:
+                report.repacked_packs = sorted(o.name for o, _ in to_repack)
+            else:
+                written = self._repack(to_repack, report)
+                gone = doomed + [o for o, _ in to_repack if o.name in set(report.repacked_packs)]
+                self._drop_packs(gone, written, report)
             report.deleted_packs = sorted(o.name for o in doomed)
             report.deleted_bytes = sum(o.size for o in doomed)
-            docs = self.index.documents
-            stale_docs = [n for n, recs in docs.items() if any(p.id in doomed_ids for p in recs)]
             if dry_run:
-                report.rewritten_indexes = len(stale_docs)
+                gone_ids = {o.name.rsplit("/", 1)[-1] for o in doomed} | {
+                    o.name.rsplit("/", 1)[-1] for o, _ in to_repack
+                }
+                report.rewritten_indexes = sum(
+                    1 for recs in self.index.documents.values() if any(p.id in gone_ids for p in recs)
+                )
                 return report
-            if stale_docs:
-                keep: dict[str, PackRecord] = {}
-                for n in stale_docs:
-                    for p in docs[n]:
-                        if p.id not in doomed_ids:
-                            keep[p.id] = p
-                if keep:
-                    name = index_name(secrets.token_hex(16))
-                    self.store.put(name, encode_index(name, keep.values(), self.keyring))
-                for n in stale_docs:
-                    self.store.delete(n)
-                report.rewritten_indexes = len(stale_docs)
-            for o in doomed:
-                self.store.delete(o.name)
-            self.index.refresh(self.store, self.keyring)
             report.removed_debris = self.store.cleanup(cutoff)
             now = time.time()
             for lk in list_locks(self.store):
@@ -602,9 +640,73 @@ class Repository:
                     report.removed_locks += 1
         log.info(
             "gc done",
-            extra={"deleted_packs": len(report.deleted_packs), "deleted_bytes": report.deleted_bytes},
+            extra={
+                "deleted_packs": len(report.deleted_packs),
+                "repacked_packs": len(report.repacked_packs),
+                "deleted_bytes": report.deleted_bytes,
+                "reclaimed_bytes": report.reclaimed_bytes,
+            },
         )
         return report
+
+    def _repack(
+        self, to_repack: builtins.list[tuple[ObjectInfo, builtins.list[BlobEntry]]], report: GcReport
+    ) -> builtins.list[PackRecord]:
+        """Copy live blobs of sparse packs into new packs; returns the new packs.
+
+        A pack whose live blobs do not verify is left alone (and reported by
+        ``verify``): gc never rewrites bytes it cannot vouch for.
+        """
+        written: builtins.list[PackRecord] = []
+        pw: PackWriter | None = None
+
+        def flush() -> None:
+            nonlocal pw
+            if pw is not None and pw.entries:
+                data = pw.finish(self.keyring)
+                self.store.put(pw.name, data)
+                written.append(PackRecord(pw.id, len(data), tuple(pw.entries)))
+            pw = None
+
+        for o, live in to_repack:
+            try:
+                data = memoryview(self.store.get(o.name))
+                for e in live:
+                    cks.verify(data[e.offset : e.offset + e.length], e.checksum, obj=o.name, blob=e.id)
+            except GpuckptError as exc:
+                log.warning("not repacking a pack that does not verify", extra={"object": o.name, "error": str(exc)})
+                continue
+            for e in live:
+                if pw is None:
+                    pw = PackWriter(secrets.token_hex(16), self.config.pack_size + (1 << 20))
+                pw.add(e.id, data[e.offset : e.offset + e.length], e.raw_length, e.checksum, e.raw_checksum, e.codec)
+                if pw.size >= self.config.pack_size:
+                    flush()
+            report.repacked_packs.append(o.name)
+            report.reclaimed_bytes += o.size - sum(e.length for e in live)
+        flush()
+        return written
+
+    def _drop_packs(self, gone: builtins.list[ObjectInfo], added: builtins.list[PackRecord], report: GcReport) -> None:
+        """Rewrite the index without ``gone`` (and with ``added``), then delete ``gone``."""
+        gone_ids = {o.name.rsplit("/", 1)[-1] for o in gone}
+        docs = self.index.documents
+        stale_docs = [n for n, recs in docs.items() if any(p.id in gone_ids for p in recs)]
+        keep: dict[str, PackRecord] = {p.id: p for p in added}
+        for n in stale_docs:
+            for p in docs[n]:
+                if p.id not in gone_ids:
+                    keep.setdefault(p.id, p)
+        if keep:
+            name = index_name(secrets.token_hex(16))
+            self.store.put(name, encode_index(name, keep.values(), self.keyring))
+        for n in stale_docs:
+            self.store.delete(n)
+        report.rewritten_indexes = len(stale_docs)
+        for o in gone:
+            self.store.delete(o.name)
+        report.reclaimed_bytes += sum(o.size for o in gone if o.name not in set(report.repacked_packs))
+        self.index.refresh(self.store, self.keyring)
 
     def stats(self) -> dict[str, int]:
         """Object counts and bytes by kind (packs, index, manifests, locks)."""

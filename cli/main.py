@@ -748,19 +748,31 @@ def gc_cmd(
         ),
     ] = timedelta(hours=1),
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report; delete nothing.")] = False,
+    repack_below: Annotated[
+        float,
+        typer.Option(
+            "--repack-below",
+            min=0.0,
+            max=1.0,
+            metavar="FRACTION",
+            help="Repack packs whose live blobs fill less than this fraction of them (0: never).",
+        ),
+    ] = 0.5,
     repo: RepoOpt = None,
     key: KeyOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Delete data no checkpoint references (takes the exclusive lock)."""
+    """Delete data no checkpoint references, repacking sparse packs (takes the exclusive lock)."""
     with _open_repo(ctx, repo, key) as r:
-        report = r.gc(grace=grace, dry_run=dry_run)
+        report = r.gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
     if json_:
         _emit_json(asdict(report))
         return
     verb = "would delete" if dry_run else "deleted"
     typer.echo(
         f"{verb} {len(report.deleted_packs)} pack(s) ({_size(report.deleted_bytes)}); "
+        f"{'would repack' if dry_run else 'repacked'} {len(report.repacked_packs)} sparse pack(s); "
+        f"{_size(report.reclaimed_bytes)} reclaimed in all; "
         f"{report.live_blobs} live blob(s); kept {report.kept_young_packs} young unreferenced "
         f"pack(s); {'would rewrite' if dry_run else 'rewrote'} {report.rewritten_indexes} index "
         f"document(s); removed {report.removed_locks} stale lock(s), "
