@@ -432,68 +432,65 @@ def save_checkpoint(
     t_blocks = time.monotonic() - t0
 
     written = sorted(saver.written, key=lambda p: p.id)
-    try:
-        if written:
-            saver.prog.phase = "index"
-            name = index_name(secrets.token_hex(16))
-            repo.store.put(name, encode_index(name, written, repo.keyring))
-            repo.index.add(name, written)
+    # A failure from here on leaves at most an index document; it names only
+    # durable packs, so it is harmless, and later saves may dedup against it.
+    if written:
+        saver.prog.phase = "index"
+        name = index_name(secrets.token_hex(16))
+        repo.store.put(name, encode_index(name, written, repo.keyring))
+        repo.index.add(name, written)
 
-        codec_table: dict[str, int] = {}
-        block_refs = []
-        for block, blob_id in refs:
-            e = entries[blob_id]
-            ci = codec_table.setdefault(e.codec, len(codec_table))
-            block_refs.append(
-                BlockRef(
-                    key=block.key.hex(),
-                    blob=blob_id,
-                    pack=e.pack,
-                    offset=e.offset,
-                    length=e.length,
-                    raw_length=e.raw_length,
-                    checksum=e.checksum,
-                    raw_checksum=e.raw_checksum,
-                    codec=ci,
-                    dtype=block.dtype,
-                    shape=list(block.shape),
-                )
+    codec_table: dict[str, int] = {}
+    block_refs = []
+    for block, blob_id in refs:
+        e = entries[blob_id]
+        ci = codec_table.setdefault(e.codec, len(codec_table))
+        block_refs.append(
+            BlockRef(
+                key=block.key.hex(),
+                blob=blob_id,
+                pack=e.pack,
+                offset=e.offset,
+                length=e.length,
+                raw_length=e.raw_length,
+                checksum=e.checksum,
+                raw_checksum=e.raw_checksum,
+                codec=ci,
+                dtype=block.dtype,
+                shape=list(block.shape),
             )
-        prog = saver.prog
-        manifest = Manifest(
-            id=new_checkpoint_id(started),
-            worker_id=worker_id,
-            created=started,
-            parent=parent,
-            namespace=dict(namespace.fields),
-            pins=pins,
-            layout=layout or {},
-            codecs=[[CodecSpec(**s) for s in json.loads(c)] for c in codec_table],
-            blocks=block_refs,
-            ledger=ledger,
-            canary=canary,
-            labels=labels or {},
-            sizes=Sizes(
-                blocks=len(block_refs),
-                raw_bytes=sum(b.raw_length for b in block_refs),
-                stored_bytes=sum(b.length for b in block_refs),
-                new_blocks=prog.new_blocks,
-                new_raw_bytes=prog.new_raw_bytes,
-                new_stored_bytes=prog.stored_bytes,
-                packs_written=len(written),
-            ),
-            timings={"blocks_s": round(t_blocks, 6), "total_s": round(time.monotonic() - t0, 6)},
-            encryption=Encryption(alg="aes-256-gcm", key_id=saver.key_id) if saver.key_id else None,
         )
-        if deadline is not None and time.monotonic() > deadline:
-            raise OperationAborted("save did not finish before its deadline; nothing was made visible")
-        saver.prog.phase = "manifest"
-        # The commit point: the checkpoint exists once this create succeeds.
-        repo.store.put(manifest.name, manifest.encode(repo.keyring), if_absent=True)
-    except BaseException:
-        # The index document (if written) only names durable packs; it is
-        # harmless and later saves may even dedup against it.
-        raise
+    prog = saver.prog
+    manifest = Manifest(
+        id=new_checkpoint_id(started),
+        worker_id=worker_id,
+        created=started,
+        parent=parent,
+        namespace=dict(namespace.fields),
+        pins=pins,
+        layout=layout or {},
+        codecs=[[CodecSpec(**s) for s in json.loads(c)] for c in codec_table],
+        blocks=block_refs,
+        ledger=ledger,
+        canary=canary,
+        labels=labels or {},
+        sizes=Sizes(
+            blocks=len(block_refs),
+            raw_bytes=sum(b.raw_length for b in block_refs),
+            stored_bytes=sum(b.length for b in block_refs),
+            new_blocks=prog.new_blocks,
+            new_raw_bytes=prog.new_raw_bytes,
+            new_stored_bytes=prog.stored_bytes,
+            packs_written=len(written),
+        ),
+        timings={"blocks_s": round(t_blocks, 6), "total_s": round(time.monotonic() - t0, 6)},
+        encryption=Encryption(alg="aes-256-gcm", key_id=saver.key_id) if saver.key_id else None,
+    )
+    if deadline is not None and time.monotonic() > deadline:
+        raise OperationAborted("save did not finish before its deadline; nothing was made visible")
+    saver.prog.phase = "manifest"
+    # The commit point: the checkpoint exists once this create succeeds.
+    repo.store.put(manifest.name, manifest.encode(repo.keyring), if_absent=True)
     saver.prog.phase = "done"
     saver._report(force=True)
     log.info(
