@@ -238,7 +238,7 @@ class _Saver:
             ctx = CodecContext(self.repo.keyring, blob_id.encode(), "pack", blob_id)
             stored = full.encode(block.data, ctx)
             codec = full_c
-            if full is not plain and memoryview(stored).nbytes >= n + (28 if self.key_id else 0):
+            if full_c != plain_c and memoryview(stored).nbytes >= n + (28 if self.key_id else 0):
                 # Incompressible (already-random data): keep it raw, skip the
                 # decompression cost on restore.
                 stored, codec = plain.encode(block.data, ctx), plain_c
