@@ -46,9 +46,13 @@ class BytePlane(Codec):
     def decode(self, data: Buffer, ctx: CodecContext, size_hint: int) -> Buffer:
         a = np.frombuffer(data, dtype=np.uint8)
         n = len(a) - len(a) % self.width
-        out = np.empty(len(a), dtype=np.uint8)
+        # Decode straight into a bytearray: it is the last stage on reads and
+        # callers need writable bytes they own (no further copy).
+        buf = bytearray(len(a))
+        out = np.frombuffer(buf, dtype=np.uint8)
         planes = a[:n].reshape(self.width, -1)
         for i in range(self.width):
             out[i : n : self.width] = planes[i]
         out[n:] = a[n:]
-        return out.data
+        del out
+        return buf
