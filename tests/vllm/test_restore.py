@@ -1,0 +1,100 @@
+"""Checkpoint a live vLLM worker mid-decode, kill it, restore into a fresh process.
+
+One checkpointing worker and two restoring workers (same flags: warm; a
+different block size: refused, cold replay) serve every test in this module,
+because an engine start costs ~20-30 s here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.conftest import run_worker
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("vllm-restore")
+    base = {"model": str(tiny_llama), "repo": str(tmp / "repo")}
+    a = run_worker(
+        {**base, "mode": "checkpoint", "socket": str(tmp / "a.sock"), "staging": str(tmp / "stage-a")},
+        tmp,
+        kill_after_result=True,
+    )
+    b = run_worker(
+        {
+            **base,
+            "mode": "restore",
+            "socket": str(tmp / "b.sock"),
+            "staging": str(tmp / "stage-b"),
+            "checkpoint": a["checkpoint"],
+            "turn1": a["turn1"],
+        },
+        tmp,
+    )
+    c = run_worker(
+        {
+            **base,
+            "mode": "restore",
+            "socket": str(tmp / "c.sock"),
+            "staging": str(tmp / "stage-c"),
+            "checkpoint": a["checkpoint"],
+            "block_size": 64,
+        },
+        tmp,
+    )
+    return {"a": a, "b": b, "c": c}
+
+
+def test_checkpoint_was_mid_decode(runs: dict) -> None:
+    a = runs["a"]
+    assert len(a["ledger_outputs"]) == 3
+    for rid, n in a["ledger_outputs"].items():
+        assert 40 <= n < 240, (rid, n)  # in flight: some outputs, budget left
+        assert len(a["reference"][rid]) - n >= 200  # ≥ 200 tokens in the request
+
+
+def test_greedy_warm_restore_is_token_identical(runs: dict) -> None:
+    a, b = runs["a"], runs["b"]
+    assert b["warm"], b["reasons"]
+    assert b["restore_stats"]["failed_blocks"] == 0
+    assert set(b["restored"]) == set(a["reference"])
+    for rid, r in b["restored"].items():
+        assert r["full"] == a["reference"][rid], rid
+
+
+def test_restored_requests_recompute_at_most_one_token(runs: dict) -> None:
+    b = runs["b"]
+    loaded = b["connector_after_restore"]["restored_tokens"]
+    for rid, r in b["restored"].items():
+        assert r["prompt_len"] - r["num_cached_tokens"] <= 1, (rid, r)  # the engine's count
+        assert loaded[rid] > 0  # ...and the connector did load them (not a local hit)
+
+
+def test_next_turn_is_warm_from_restored_prefix(runs: dict) -> None:
+    a, b = runs["a"], runs["b"]
+    for rid, hist in a["turn1"].items():
+        t2 = b["turn2"][rid + "-t2"]
+        assert t2["num_cached_tokens"] >= len(hist) - 32, (rid, t2, len(hist))
+        assert b["connector"]["restored_tokens"][rid + "-t2"] > 0
+
+
+def test_shared_prefix_is_stored_once(runs: dict) -> None:
+    a = runs["a"]
+    # five conversations share a 2-block system prompt; 31 unique blocks were captured
+    per_request_blocks = sum(len(t) // 32 for t in a["turn1"].values())
+    assert a["sizes"]["blocks"] == a["checkpoint_stats"]["pages"]
+    assert a["sizes"]["blocks"] < per_request_blocks + sum(-(-len(t) // 32) for t in a["reference"].values())
+
+
+def test_block_size_mismatch_refuses_warm_and_replays(runs: dict) -> None:
+    a, c = runs["a"], runs["c"]
+    assert not c["warm"]
+    assert any(r.startswith("block_size") and "32" in r and "64" in r for r in c["reasons"]), c["reasons"]
+    assert c["connector_after_restore"]["restored_tokens"] == {}
+    for rid, r in c["restored"].items():
+        assert len(r["full"]) == len(a["reference"][rid])  # replayed to completion

@@ -1,0 +1,145 @@
+"""A vLLM worker for the tests, run as its own process: ``python worker.py JSON``.
+
+Modes:
+
+``checkpoint``
+    Finish a first turn of two conversations, start the in-flight requests,
+    checkpoint mid-decode through the control socket, then let the same
+    engine finish them (the uninterrupted reference) and write the result.
+``restore``
+    Start a fresh engine with the connector, restore the checkpoint (warm or
+    cold), resubmit the ledger's requests, finish them, then send each
+    conversation's next turn; write outputs, cached-token counts and the
+    connector's stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_llm(a: dict):
+    from vllm import LLM
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=a["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=a.get("block_size", 32),
+        max_model_len=1024,
+        max_num_seqs=8,
+        gpu_memory_utilization=0.3,
+        seed=0,
+        enable_prefix_caching=True,
+        kv_transfer_config={
+            "kv_connector": "GpuckptConnector",
+            "kv_connector_module_path": "agent.engines.vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"control_socket": a["socket"], "staging_dir": a["staging"]},
+        },
+    )
+    return llm, time.monotonic() - t0
+
+
+def drain(llm, outs: dict, until=None) -> None:
+    """Step the client until ``until(outs)`` or nothing is unfinished."""
+    eng = llm.llm_engine
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = {
+                "tokens": list(o.outputs[0].token_ids),
+                "finished": o.finished,
+                "num_cached_tokens": o.num_cached_tokens,
+                "prompt_len": len(o.prompt_token_ids or []),
+            }
+        if until is not None and until(outs):
+            return
+
+
+def main() -> None:
+    a = json.loads(sys.argv[1])
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from agent.engines.vllm import driver
+    from ckpt import Repository
+
+    t_start = time.monotonic()
+    llm, start_s = make_llm(a)
+    eng = llm.llm_engine
+    repo = Repository.open(a["repo"], create=True)
+    res: dict = {"engine_start_s": start_s}
+    sp = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    if a["mode"] == "checkpoint":
+        import random
+
+        rng = random.Random(7)
+        system = [rng.randrange(3, 512) for _ in range(64)]  # shared by every request: stored once
+        convs = {f"conv{i}": system + [rng.randrange(3, 512) for _ in range(40 + 17 * i)] for i in range(2)}
+        outs: dict = {}
+        for rid, toks in convs.items():
+            eng.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp(40))
+        drain(llm, outs)
+        res["turn1"] = {rid: convs[rid] + outs[rid]["tokens"] for rid in convs}
+        prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 37 * i)] for i in range(3)}
+        for rid, toks in prompts.items():
+            eng.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp(a.get("max_tokens", 240)))
+        outs = {}
+        drain(llm, outs, until=lambda o: len(o) == 3 and min(len(v["tokens"]) for v in o.values()) >= 40)
+        m = driver.checkpoint(a["socket"], repo, "w0")
+        res["checkpoint"] = m.id
+        res["checkpoint_stats"] = driver.last_checkpoint_stats()
+        res["sizes"] = m.sizes.model_dump()
+        res["ledger_outputs"] = {e["client_request_id"]: len(e["output_token_ids"]) for e in m.ledger.data["requests"]}
+        drain(llm, outs)
+        res["reference"] = {rid: prompts[rid] + outs[rid]["tokens"] for rid in prompts}
+    else:
+        t0 = time.monotonic()
+        plan = driver.restore(repo, a["checkpoint"], a["socket"], staging_dir=a["staging"])
+        res["warm"], res["reasons"], res["restore_stats"] = plan.warm, plan.reasons, plan.stats
+        driver.submit(llm, plan.requests)
+        outs = {}
+        first: dict = {}
+
+        def note_first(o):
+            for rid, _v in o.items():
+                first.setdefault(rid, time.monotonic() - t0)
+            return False
+
+        drain(llm, outs, until=note_first)
+        res["resume_s"] = first
+        res["restore_total_s"] = time.monotonic() - t0
+        res["restored"] = {
+            r.request_id: {
+                "full": r.token_ids + outs[r.request_id]["tokens"],
+                "prompt_len": len(r.token_ids),
+                "num_cached_tokens": outs[r.request_id]["num_cached_tokens"],
+            }
+            for r in plan.requests
+        }
+        res["connector_after_restore"] = driver.stats(a["socket"])
+        outs = {}
+        for rid, hist in a.get("turn1", {}).items():
+            eng.add_request(rid + "-t2", TokensPrompt(prompt_token_ids=[*hist, 5, 6, 7, 8]), sp(4))
+        drain(llm, outs)
+        res["turn2"] = {
+            rid: {"prompt_len": v["prompt_len"], "num_cached_tokens": v["num_cached_tokens"]} for rid, v in outs.items()
+        }
+        res["connector"] = driver.stats(a["socket"])
+    res["total_s"] = time.monotonic() - t_start
+    tmp = a["result"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, a["result"])
+    if a.get("wait_for_kill"):
+        time.sleep(3600)  # the test kills this process group, as a crash would
+    os._exit(0)  # do not wait for a graceful engine shutdown
+
+
+if __name__ == "__main__":
+    main()
