@@ -3,7 +3,9 @@
 Modes:
 
 ``checkpoint``
-    Finish a first turn of two conversations, start the in-flight requests,
+    Finish a first turn of two conversations, capture the now idle engine
+    (nothing running: the prefix cache and the finished turns' tails), start
+    the in-flight requests (three greedy, one seeded at temperature 1),
     checkpoint mid-decode through the control socket, then let the same
     engine finish them (the uninterrupted reference) and write the result.
 ``restore``
@@ -86,16 +88,30 @@ def main() -> None:
             eng.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp(40))
         drain(llm, outs)
         res["turn1"] = {rid: convs[rid] + outs[rid]["tokens"] for rid in convs}
+        t0 = time.monotonic()
+        cap = driver.capture(a["socket"], timeout=20)  # no request running: must still complete
+        res["idle_capture"] = {
+            **cap.stats,
+            "ledger_requests": len(cap.ledger.data["requests"]),
+            "call_s": time.monotonic() - t0,
+        }
+        cap.close()
         prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 37 * i)] for i in range(3)}
         for rid, toks in prompts.items():
             eng.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp(a.get("max_tokens", 240)))
+        prompts["seeded0"] = system + [rng.randrange(3, 512) for _ in range(120)]
+        seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=240, ignore_eos=True)
+        eng.add_request("seeded0", TokensPrompt(prompt_token_ids=prompts["seeded0"]), seeded)
         outs = {}
-        drain(llm, outs, until=lambda o: len(o) == 3 and min(len(v["tokens"]) for v in o.values()) >= 40)
+        drain(llm, outs, until=lambda o: len(o) == 4 and min(len(v["tokens"]) for v in o.values()) >= 40)
         m = driver.checkpoint(a["socket"], repo, "w0")
         res["checkpoint"] = m.id
         res["checkpoint_stats"] = driver.last_checkpoint_stats()
         res["sizes"] = m.sizes.model_dump()
         res["ledger_outputs"] = {e["client_request_id"]: len(e["output_token_ids"]) for e in m.ledger.data["requests"]}
+        res["ledger_generators"] = [
+            e["client_request_id"] for e in m.ledger.data["requests"] if e.get("generator_state")
+        ]
         drain(llm, outs)
         res["reference"] = {rid: prompts[rid] + outs[rid]["tokens"] for rid in prompts}
     else:

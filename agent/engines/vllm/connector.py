@@ -32,18 +32,41 @@ reports the longest run of offered blocks after the local prefix hit as an
 external hit (leaving at least one token to compute), and the worker half
 loads those pages synchronously in ``start_load_kv``, before the forward.
 
+Idle engine: a capture request wakes EngineCore's busy loop (a ``WAKEUP``
+on its input queue) and ``has_pending_push_work`` keeps it stepping until the
+capture is planned, so a capture works with no request running.
+
+Finished requests: ``request_finished`` delays the free of a request whose
+KV ends inside a block; the next step's metadata asks the worker to copy that
+partial tail into a bounded in-memory store (keyed by :func:`tail_key`), the
+worker reports the request in ``finished_sending`` and vLLM frees the blocks.
+Every capture includes the stored tails, so a conversation's next turn after
+a restore is served from the restored cache up to its last token.
+
+Seeded sampling: the worker half finds the model runner from
+``register_kv_caches``' calling frames; a capture reads each seeded request's
+``torch.Generator`` state (before the step's sample, matching the ledger's
+outputs) and the scheduler half writes it, base64, into the ledger entry. On
+restore the offer carries the states by client request id; the first
+schedule of that request sends it to the worker, which ``set_state``s it in
+``start_load_kv`` (after the runner seeded the new generator, before the
+first sample).
+
 Limits of this slice: one KV cache group, a layer tensor whose first
 dimension is the block id (vLLM's CPU layout), a single worker (TP = PP = 1),
-copies are synchronous, and a capture needs the engine to be stepping.
+copies are synchronous.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +86,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -89,11 +112,19 @@ class GpuckptMeta(KVConnectorMetadata):
 
     ``loads``: ``(block id, page file index path, key hex)`` to copy into the
     KV cache before this step's forward. ``capture``: when set, copy these
-    pages out after the forward: ``{"seq", "dir", "name", "pages": [[key hex, block id], …]}``.
+    pages out after the forward: ``{"seq", "dir", "name", "pages": [[key hex, block id], …],
+    "tails": [key hex, …]}`` (``tails``: stored tails of finished requests to include).
+    ``tails``: ``(key hex, block id, request id)`` partial tails of finished
+    requests to copy into the worker's tail store (then report the request
+    finished sending); ``tail_drop``: keys (hex) to drop from it. ``generators``: ``(request id, base64 state)`` to set
+    before the request's first sample.
     """
 
     loads: list[tuple[int, str, str]] = field(default_factory=list)
     capture: dict[str, Any] | None = None
+    tails: list[tuple[str, int, str]] = field(default_factory=list)
+    tail_drop: list[str] = field(default_factory=list)
+    generators: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +157,12 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._staging_dir = str(extra.get("staging_dir") or staging.default_dir(f"vllm-{os.getpid()}"))
+        # Finished requests' partial tails kept in worker memory for the next
+        # capture: a FIFO bounded in bytes, decided by the scheduler half, which
+        # tells the worker what to drop (GpuckptMeta.tail_drop).
+        group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
+        page_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names) if group else 1
+        self._tail_cap = int(extra.get("tail_bytes", 256 << 20)) // max(1, page_bytes)
         # scheduler half
         self._lock = threading.Lock()
         self._pool: BlockPool | None = None
@@ -140,7 +177,16 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._restored: dict[str, int] = {}  # client request id → tokens loaded
         self._server: control.ControlServer | None = None
         self._facts_cache: dict[str, Any] | None = None
+        self._engine: Any = None  # EngineCoreProc, to wake its busy loop
+        self._tail_keys: OrderedDict[bytes, None] = OrderedDict()
+        self._tail_copies: list[tuple[str, int, str]] = []
+        self._tails_inflight: set[str] = set()
+        self._gen_offer: dict[str, str] = {}  # client request id → base64 generator state
+        self._gen_loads: list[tuple[str, str]] = []
         # worker half
+        self._runner: Any = None
+        self._tail_pages: OrderedDict[bytes, bytes] = OrderedDict()
+        self._sent: set[str] = set()
         self._kv: list[tuple[str, torch.Tensor]] = []
         self._done: dict[int, dict[str, Any]] = {}
         self._files: dict[str, staging.PageFile] = {}
@@ -153,15 +199,55 @@ class GpuckptConnector(KVConnectorBase_V1):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self._pool = gpu_block_pool
 
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        # Called from Scheduler.__init__ inside EngineCoreProc.__init__; the
+        # engine's input queue may not exist yet, so keep the engine object.
+        f = sys._getframe(1)
+        while f is not None:
+            obj = f.f_locals.get("self")
+            if obj is not None and hasattr(type(obj), "_handle_client_request"):
+                self._engine = obj
+                break
+            f = f.f_back  # type: ignore[assignment]
+
+    def _wake(self) -> None:
+        """Make an idle EngineCore step (no-op when it runs in-process: the next
+        client ``step()`` then plans the capture)."""
+        q = getattr(self._engine, "input_queue", None)
+        if q is None:
+            return
+        from vllm.v1.engine import EngineCoreRequestType
+
+        q.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._capture_requests or self._tail_copies or self._tails_inflight)
+
     def on_new_request(self, request: Request) -> None:
         with self._lock:
             self._live[request.request_id] = request
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Delay the free of a finished request whose KV ends inside a block, so
+        the next step can copy that partial tail (see :class:`GpuckptMeta`)."""
         with self._lock:
             self._live.pop(request.request_id, None)
             self._plans.pop(request.request_id, None)
-        return False, None
+            if self._tail_cap <= 0:
+                return False, None
+            bs = self._block_size
+            n = int(request.num_computed_tokens)  # block_ids cover these tokens
+            n_full = n // bs
+            if n % bs == 0 or n_full >= len(block_ids) or n_full > len(request.block_hashes):
+                return False, None
+            parent = bytes(request.block_hashes[n_full - 1]) if n_full else b""
+            lora = getattr(request.lora_request, "lora_name", None)
+            key = tail_key(parent, request.all_token_ids[n_full * bs : n], request.cache_salt, lora)
+            if key in self._tail_keys:
+                return False, None
+            self._tail_copies.append((key.hex(), block_ids[n_full], request.request_id))
+            return True, None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The offered blocks that extend the local hit, as tokens; side-effect free
@@ -181,11 +267,11 @@ class GpuckptConnector(KVConnectorBase_V1):
                 keys.append(bytes(hashes[i]))
                 i += 1
                 end = i * bs
-            if end == (n // bs) * bs and end < n and i == n // bs:
+            if end < n and i == end // bs and i <= len(hashes):
                 tokens = request.all_token_ids
                 parent = bytes(hashes[i - 1]) if i else b""
                 lora = getattr(request.lora_request, "lora_name", None)
-                for length in range(n - end, 0, -1):
+                for length in range(min(bs - 1, n - end), 0, -1):
                     k = tail_key(parent, tokens[end : end + length], request.cache_salt, lora)
                     if k in offer:
                         keys.append(k)
@@ -201,6 +287,10 @@ class GpuckptConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         with self._lock:
+            if self._gen_offer and not request.num_output_tokens:
+                g = self._gen_offer.pop(client_id(request.request_id), None)
+                if g is not None:
+                    self._gen_loads.append((request.request_id, g))
             plan = self._plans.pop(request.request_id, None)
             if num_external_tokens <= 0 or plan is None:
                 return
@@ -218,8 +308,13 @@ class GpuckptConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         with self._lock:
             self._step += 1
-            meta = GpuckptMeta(loads=self._loads)
-            self._loads = []
+            meta = GpuckptMeta(loads=self._loads, tails=self._tail_copies, generators=self._gen_loads)
+            self._loads, self._tail_copies, self._gen_loads = [], [], []
+            for key_hex, _, rid in meta.tails:
+                self._tails_inflight.add(rid)
+                self._tail_keys[bytes.fromhex(key_hex)] = None
+                while len(self._tail_keys) > self._tail_cap:
+                    meta.tail_drop.append(self._tail_keys.popitem(last=False)[0].hex())
             if self._capture_requests:
                 meta.capture = self._plan_capture(scheduler_output)
         return meta
@@ -264,6 +359,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 pages[tail_key(parent, toks, req.cache_salt, lora)] = ids[n_full]
                 kv_held = kv_tokens
             entries.append(request_entry(req, kv_held))
+        tails = [k.hex() for k in self._tail_keys if k not in pages]
         self._capture_seq += 1
         seq = self._capture_seq
         ledger = make_ledger(entries, step=self._step, block_size=bs)
@@ -274,16 +370,27 @@ class GpuckptConnector(KVConnectorBase_V1):
             "seq": seq,
             "ledger": ledger.model_dump(mode="json", by_alias=True),
             "step": self._step,
-            "pages": len(pages),
+            "pages": len(pages) + len(tails),
             "prefix_pages": n_prefix,
+            "tail_pages": len(tails),
             "requests": len(entries),
             "plan_s": time.monotonic() - t0,
             "wait_s": time.monotonic() - min(w.requested for w in waiters),
         }
         self._captures[seq] = (waiters, info)  # several callers may share one capture
-        return {"seq": seq, "dir": self._staging_dir, "name": name, "pages": [[k.hex(), b] for k, b in pages.items()]}
+        return {
+            "seq": seq,
+            "dir": self._staging_dir,
+            "name": name,
+            "pages": [[k.hex(), b] for k, b in pages.items()],
+            "tails": tails,
+        }
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        sent = connector_output.finished_sending
+        if sent and self._tails_inflight:
+            with self._lock:
+                self._tails_inflight.difference_update(sent)
         wm = connector_output.kv_connector_worker_meta
         if not isinstance(wm, GpuckptWorkerMeta) or not wm.done:
             return
@@ -293,6 +400,12 @@ class GpuckptConnector(KVConnectorBase_V1):
                 if item is None:
                     continue
                 waiters, info = item
+                d = dict(d)
+                gens = d.pop("generators", None) or {}
+                for e in info["ledger"]["data"]["requests"]:
+                    g = gens.get(e["request_id"])
+                    if g is not None:
+                        e["generator_state"] = g
                 reply = {"ok": False, "error": d["error"]} if d.get("error") else {"ok": True, **info, **d}
                 for w in waiters:
                     w.reply = reply
@@ -310,6 +423,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             w = _Waiter()
             with self._lock:
                 self._capture_requests.append(w)
+            self._wake()
             if not w.event.wait(float(req.get("timeout", 60))):
                 with self._lock:
                     if w in self._capture_requests:
@@ -328,10 +442,12 @@ class GpuckptConnector(KVConnectorBase_V1):
                 for k in keys:
                     offer[k] = str(req["index"])
                 self._offer = offer
+                self._gen_offer.update({str(k): str(v) for k, v in (req.get("generators") or {}).items()})
             return {"ok": True, "offered": len(keys)}
         if cmd == "withdraw":
             with self._lock:
                 self._offer = {}
+                self._gen_offer = {}
             return {"ok": True}
         if cmd == "stats":
             with self._lock:
@@ -341,6 +457,8 @@ class GpuckptConnector(KVConnectorBase_V1):
                     "step": self._step,
                     "live": len(self._live),
                     "offered": len(self._offer),
+                    "tail_pages": len(self._tail_keys),
+                    "generators_pending": len(self._gen_offer),
                 }
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
@@ -368,9 +486,25 @@ class GpuckptConnector(KVConnectorBase_V1):
                     f"gpuckpt: layer {name} KV tensor has shape {tuple(t.shape)}; "
                     f"this slice needs the block id first ({num_blocks} blocks)"
                 )
+        # The model runner (for seeded requests' generators) called us from
+        # initialize_kv_cache; under MRV2 it is a few frames further up.
+        f = sys._getframe(1)
+        while f is not None and self._runner is None:
+            obj = f.f_locals.get("self")
+            if obj is not None and isinstance(getattr(obj, "requests", None), dict) and hasattr(obj, "input_batch"):
+                self._runner = obj
+            f = f.f_back  # type: ignore[assignment]
         log.info(
-            "gpuckpt: %d layers, page shape %s %s", len(self._kv), tuple(self._kv[0][1].shape[1:]), self._kv[0][1].dtype
+            "gpuckpt: %d layers, page shape %s %s; runner %s",
+            len(self._kv),
+            tuple(self._kv[0][1].shape[1:]),
+            self._kv[0][1].dtype,
+            type(self._runner).__name__,
         )
+
+    def _generator(self, rid: str) -> torch.Generator | None:
+        st = self._runner.requests.get(rid) if self._runner is not None else None
+        return getattr(st, "generator", None)
 
     def _page_shape(self) -> tuple[int, ...]:
         return (len(self._kv), *self._kv[0][1].shape[1:])
@@ -380,7 +514,15 @@ class GpuckptConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, GpuckptMeta) or not meta.loads:
+        if not isinstance(meta, GpuckptMeta):
+            return
+        for rid, state in meta.generators:
+            g = self._generator(rid)
+            if g is None:
+                log.warning("gpuckpt: no sampler generator for %s; its seeded state is not restored", rid)
+                continue
+            g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+        if not meta.loads:
             return
         shape = self._page_shape()
         dt = self._kv[0][1].dtype
@@ -410,9 +552,22 @@ class GpuckptConnector(KVConnectorBase_V1):
     ) -> None:
         return
 
+    def _page(self, block_id: int) -> bytes:
+        return b"".join(kv[block_id].contiguous().view(torch.uint8).numpy().tobytes() for _, kv in self._kv)
+
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, GpuckptMeta) or meta.capture is None:
+        if not isinstance(meta, GpuckptMeta):
+            return
+        for key_hex, block_id, rid in meta.tails:  # before the capture, which includes them
+            try:
+                self._tail_pages[bytes.fromhex(key_hex)] = self._page(block_id)
+            except Exception:
+                log.exception("gpuckpt: copying the tail of %s failed", rid)
+            self._sent.add(rid)
+        for key_hex in meta.tail_drop:
+            self._tail_pages.pop(bytes.fromhex(key_hex), None)
+        if meta.capture is None:
             return
         cap = meta.capture
         t0 = time.monotonic()
@@ -421,18 +576,33 @@ class GpuckptConnector(KVConnectorBase_V1):
         )
         try:
             for key_hex, block_id in cap["pages"]:
-                page = b"".join(kv[block_id].contiguous().view(torch.uint8).numpy().tobytes() for _, kv in self._kv)
-                w.write(bytes.fromhex(key_hex), page)
+                w.write(bytes.fromhex(key_hex), self._page(block_id))
+            for key_hex in cap.get("tails", ()):
+                page = self._tail_pages.get(bytes.fromhex(key_hex))
+                if page is not None:
+                    w.write(bytes.fromhex(key_hex), page)
+            gens = {}
+            if self._runner is not None:
+                for rid, st in list(self._runner.requests.items()):
+                    g = getattr(st, "generator", None)
+                    if g is not None:
+                        gens[rid] = base64.b64encode(g.get_state().numpy().tobytes()).decode()
             idx = w.commit()
             self._done[cap["seq"]] = {
                 "index": str(w.index_path),
                 "copy_s": time.monotonic() - t0,
                 "bytes": idx.page_bytes * len(idx.keys),
+                "pages": len(idx.keys),
+                "generators": gens,
             }
         except Exception as exc:
             w.abort()
             log.exception("gpuckpt: capture %s failed", cap["seq"])
             self._done[cap["seq"]] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, self._sent = self._sent, set()
+        return (sent or None), None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._done:

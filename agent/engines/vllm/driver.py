@@ -52,7 +52,8 @@ def capture(sock: Socket, timeout: float = 60.0) -> Capture:
         pf.close()
         pf.unlink()
 
-    stats = {k: r[k] for k in ("step", "pages", "prefix_pages", "requests", "plan_s", "wait_s", "copy_s", "bytes")}
+    keys = ("step", "pages", "prefix_pages", "tail_pages", "requests", "plan_s", "wait_s", "copy_s", "bytes")
+    stats = {k: r[k] for k in keys}
     stats["capture_s"] = time.monotonic() - t0
     stats["page_shape"] = list(shape)
     stats["page_dtype"] = pf.index.dtype
@@ -138,12 +139,19 @@ def restore(
     except BaseException:
         w.abort()
         raise
-    offered = control.call(sock, "offer", index=str(w.index_path))["offered"]
+    # Seeded requests' sampler states travel with the offer (applied at their first schedule).
+    gens = {
+        e["client_request_id"]: e["generator_state"]
+        for e in (m.ledger.data.get("requests", []) if m.ledger is not None else [])
+        if e.get("generator_state")
+    }
+    offered = control.call(sock, "offer", index=str(w.index_path), generators=gens)["offered"]
     stats = {
         "plan_s": time.monotonic() - t0,
         "blocks": len(idx.keys),
         "failed_blocks": len(errors),
         "failures": [f"{f.key.hex()[:16]}: {f.error}" for f in errors],
+        "generators": len(gens),
     }
     return RestorePlan(True, [], requests, blocks_offered=offered, stats=stats)
 

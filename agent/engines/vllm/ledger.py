@@ -10,9 +10,14 @@ per request the scheduler held at the captured step boundary::
      "max_tokens": original budget, "remaining_max_tokens": int,
      "min_tokens": int, "sampling": {public SamplingParams fields},
      "cache_salt": str|null, "lora": str|null, "priority": int,
-     "arrival_time": float}
+     "arrival_time": float,
+     "generator_state": base64 of torch.Generator.get_state() — seeded
+                        requests only, added by the connector after the copy}
 
-The sampler's random state (seeded sampling) is not carried yet.
+``generator_state`` is the sampler's random state before the captured step's
+sample, i.e. after exactly the entry's outputs; a warm restore sets it before
+the resubmitted request's first sample. A cold replay does not (the seeded
+continuation then differs from the uninterrupted run).
 """
 
 from __future__ import annotations
