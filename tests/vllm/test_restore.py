@@ -35,6 +35,8 @@ def runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
             "staging": str(tmp / "stage-b"),
             "checkpoint": a["checkpoint"],
             "turn1": a["turn1"],
+            # The warm restore names the connector only: the plugin entry point resolves it.
+            "by_name": True,
         },
         tmp,
     )

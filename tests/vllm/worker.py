@@ -38,14 +38,22 @@ def make_llm(a: dict):
         gpu_memory_utilization=0.3,
         seed=0,
         enable_prefix_caching=True,
-        kv_transfer_config={
-            "kv_connector": "GpuckptConnector",
-            "kv_connector_module_path": "agent.engines.vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"control_socket": a["socket"], "staging_dir": a["staging"]},
-        },
+        kv_transfer_config=kv_config(a),
     )
     return llm, time.monotonic() - t0
+
+
+def kv_config(a: dict) -> dict:
+    cfg = {
+        "kv_connector": "GpuckptConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"control_socket": a["socket"], "staging_dir": a["staging"]},
+    }
+    if not a.get("by_name"):
+        # Without it, vLLM resolves the name through gpuckpt's installed
+        # vllm.general_plugins entry point (agent/engines/vllm/plugin.py).
+        cfg["kv_connector_module_path"] = "agent.engines.vllm.connector"
+    return cfg
 
 
 def drain(llm, outs: dict, until=None) -> None:

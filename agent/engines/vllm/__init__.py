@@ -1,11 +1,11 @@
 """The vLLM adapter: a KV connector loaded inside vLLM, and the agent-side driver.
 
-Load the connector with::
+Load the connector with (gpuckpt's ``vllm.general_plugins`` entry point
+registers the name in every vLLM process; ``"kv_connector_module_path":
+"agent.engines.vllm.connector"`` also works)::
 
-    kv_transfer_config={"kv_connector": "GpuckptConnector",
-                        "kv_connector_module_path": "agent.engines.vllm.connector",
-                        "kv_role": "kv_both",
-                        "kv_connector_extra_config": {"control_socket": "/run/gpuckpt/w0.sock"}}
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "GpuckptConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"control_socket": "/run/gpuckpt/w0.sock"}}'
 
 This package imports nothing from vLLM at import time; ``connector`` does.
 """
