@@ -2,7 +2,8 @@
 
 One checkpointing worker and three restoring workers (same flags: warm; a
 different block size: refused, cold replay; same flags from a copy of the
-repository with corrupted blocks) serve every test in this module, because
+repository with corrupted blocks, which then restores once more through a
+canary probe that answers wrong) serve every test in this module, because
 an engine start costs ~20-30 s here.
 """
 
@@ -62,6 +63,8 @@ def runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
             "socket": str(tmp / "d.sock"),
             "staging": str(tmp / "stage-d"),
             "checkpoint": a["checkpoint"],
+            # after the corrupted restore, restore again through a wrong-answering probe
+            "canary_fault": True,
         },
         tmp,
     )
@@ -169,3 +172,45 @@ def test_corrupt_blocks_are_not_offered_and_never_give_a_wrong_token(runs: dict)
     assert max(recomputed.values()) > 1, recomputed  # some request needed a corrupted block
     for rid, r in d["restored"].items():
         assert r["full"] == a["reference"][rid], rid
+
+
+def test_canary_recorded_and_matched_after_warm_restore(runs: dict) -> None:
+    from agent.engines.vllm import canary
+
+    a, b, d = runs["a"], runs["b"], runs["d"]
+    cn = a["canary"]
+    assert cn["kind"] == canary.KIND
+    assert cn["prompt_token_ids"] == canary.probe()
+    assert len(cn["expected"]) == cn["new_tokens"] == 8
+    # the probe shares no prefix with the client requests
+    assert all(ref[0] != cn["prompt_token_ids"][0] for ref in a["reference"].values())
+    for run in (b, d):  # warm restores (d: some blocks corrupted and not offered)
+        st = run["restore_stats"]["canary"]
+        assert st["checked"], st
+        assert st["match"], st
+        assert st["got"] == st["expected"] == cn["expected"]
+    # the probe read the restored cache: the connector loaded its tokens on the new worker
+    assert b["connector_after_restore"]["restored_tokens"].get("gpuckpt-canary-0", 0) >= 32
+    # the cold (refused) restore never ran the probe
+    assert runs["c"]["restore_stats"].get("canary") is None
+
+
+def test_canary_mismatch_fails_closed_and_replays_cold(runs: dict) -> None:
+    a, f = runs["a"], runs["d"]["canary_fault"]
+    assert not f["warm"]
+    assert len(f["reasons"]) == 1, f["reasons"]
+    assert f["reasons"][0].startswith("canary:"), f["reasons"]
+    st = f["restore_stats"]["canary"]
+    assert st["checked"]
+    assert not st["match"]
+    assert str(st["expected"]) in f["reasons"][0]
+    assert str(st["got"]) in f["reasons"][0]
+    assert f["restore_stats"]["withdrawn"] > 0
+    assert f["connector_after_restore"]["offered"] == 0  # the offer was withdrawn
+    assert f["connector_after_restore"]["generators_pending"] == 0
+    assert set(f["restored"]) == set(a["reference"])
+    for rid, full in f["restored"].items():
+        if rid.startswith("seeded"):  # a cold replay re-seeds: complete, not identical
+            assert len(full) == len(a["reference"][rid]), rid
+        else:
+            assert full == a["reference"][rid], rid

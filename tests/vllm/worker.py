@@ -10,9 +10,15 @@ Modes:
     engine finish them (the uninterrupted reference) and write the result.
 ``restore``
     Start a fresh engine with the connector, restore the checkpoint (warm or
-    cold), resubmit the ledger's requests, finish them, then send each
-    conversation's next turn; write outputs, cached-token counts and the
-    connector's stats.
+    cold; the canary probe runs through :func:`make_generate`), resubmit the
+    ledger's requests, finish them, then send each conversation's next turn;
+    write outputs, cached-token counts and the connector's stats. With
+    ``canary_fault``, restore the same checkpoint once more through a
+    ``generate`` that returns wrong tokens (a worker that disagrees with the
+    checkpoint): the restore must fail closed and replay cold.
+
+The checkpoint mode passes the same kind of ``generate`` to
+``driver.checkpoint``, which records the canary just before the capture.
 """
 
 from __future__ import annotations
@@ -71,6 +77,26 @@ def drain(llm, outs: dict, until=None) -> None:
             return
 
 
+def make_generate(llm, outs: dict, *, fault: bool = False):
+    """``generate(prompt_ids, n)`` for the canary: one greedy request on this engine,
+    stepped with whatever else is running (their outputs keep landing in ``outs``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    calls = [0]
+
+    def generate(prompt_ids: list[int], n: int) -> list[int]:
+        rid = f"gpuckpt-canary-{calls[0]}"
+        calls[0] += 1
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt_ids)), sp)
+        drain(llm, outs, until=lambda o: bool(o.get(rid, {}).get("finished")))
+        toks = outs.pop(rid)["tokens"]
+        return [(t + 1) % 500 for t in toks] if fault else toks
+
+    return generate
+
+
 def main() -> None:
     a = json.loads(sys.argv[1])
     from vllm import SamplingParams
@@ -112,7 +138,8 @@ def main() -> None:
         eng.add_request("seeded0", TokensPrompt(prompt_token_ids=prompts["seeded0"]), seeded)
         outs = {}
         drain(llm, outs, until=lambda o: len(o) == 4 and min(len(v["tokens"]) for v in o.values()) >= 40)
-        m = driver.checkpoint(a["socket"], repo, "w0")
+        m = driver.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
+        res["canary"] = m.canary
         res["checkpoint"] = m.id
         res["checkpoint_stats"] = driver.last_checkpoint_stats()
         res["sizes"] = m.sizes.model_dump()
@@ -124,7 +151,10 @@ def main() -> None:
         res["reference"] = {rid: prompts[rid] + outs[rid]["tokens"] for rid in prompts}
     else:
         t0 = time.monotonic()
-        plan = driver.restore(repo, a["checkpoint"], a["socket"], staging_dir=a["staging"])
+        gen_outs: dict = {}
+        plan = driver.restore(
+            repo, a["checkpoint"], a["socket"], staging_dir=a["staging"], generate=make_generate(llm, gen_outs)
+        )
         res["warm"], res["reasons"], res["restore_stats"] = plan.warm, plan.reasons, plan.stats
         driver.submit(llm, plan.requests)
         outs = {}
@@ -155,6 +185,25 @@ def main() -> None:
             rid: {"prompt_len": v["prompt_len"], "num_cached_tokens": v["num_cached_tokens"]} for rid, v in outs.items()
         }
         res["connector"] = driver.stats(a["socket"])
+        if a.get("canary_fault"):
+            import dataclasses
+
+            plan = driver.restore(
+                repo,
+                a["checkpoint"],
+                a["socket"],
+                staging_dir=a["staging"],
+                generate=make_generate(llm, {}, fault=True),
+            )
+            f: dict = {"warm": plan.warm, "reasons": plan.reasons, "restore_stats": plan.stats}
+            f["connector_after_restore"] = driver.stats(a["socket"])
+            # new ids: the first pass's requests (same client ids) are finished, but keep them apart
+            again = [dataclasses.replace(r, request_id=r.request_id + "-again") for r in plan.requests]
+            driver.submit(llm, again)
+            outs = {}
+            drain(llm, outs)
+            f["restored"] = {r.request_id: r.token_ids + outs[r.request_id + "-again"]["tokens"] for r in plan.requests}
+            res["canary_fault"] = f
     res["total_s"] = time.monotonic() - t_start
     tmp = a["result"] + ".tmp"
     with open(tmp, "w") as f:

@@ -10,8 +10,13 @@ Restore order: read the manifest → ask the new worker for its pins → run the
 compatibility rules (:func:`ckpt.decide`) → on a match, load and verify the
 blocks into a page file and offer it to the connector → hand back the
 requests to resubmit. On a refusal, the same requests are returned for a
-cold replay, with the reasons. Blocks that fail verification are not offered:
-the requests that needed them recompute that part (never a wrong token).
+cold replay, with the reasons. With a ``generate`` callable, the checkpoint
+records the canary (:mod:`agent.engines.vllm.canary`) just before the
+capture, and a warm restore re-runs it after the offer, before anything is
+resubmitted: a different continuation withdraws the offer and turns the plan
+cold (fail closed: never serve from a cache the new worker disagrees with).
+Blocks that fail verification are not offered: the requests that needed them
+recompute that part (never a wrong token).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
+from agent.engines.vllm import canary as canary_mod
 from agent.engines.vllm import control, staging
 from agent.engines.vllm.ledger import resubmissions
 from ckpt import Block, BlockFailure, Ledger, Manifest, Pins, Policy, Repository, WorkerFacts, decide, host_facts
@@ -62,10 +68,23 @@ def capture(sock: Socket, timeout: float = 60.0) -> Capture:
 
 
 def checkpoint(
-    sock: Socket, repo: Repository, worker_id: str, *, labels: dict[str, str] | None = None, timeout: float = 60.0
+    sock: Socket,
+    repo: Repository,
+    worker_id: str,
+    *,
+    labels: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    generate: canary_mod.Generate | None = None,
 ) -> Manifest:
-    """Capture the worker behind ``sock`` and save it; returns the visible manifest."""
+    """Capture the worker behind ``sock`` and save it; returns the visible manifest.
+
+    ``generate(prompt_ids, n)`` (greedy, on this worker) records the canary
+    just before the capture; without it the manifest has no canary.
+    """
     desc = describe(sock)
+    t_canary = time.monotonic()
+    canary = canary_mod.record(generate) if generate is not None else None
+    canary_s = time.monotonic() - t_canary
     cap = capture(sock, timeout)
     try:
         t0 = time.monotonic()
@@ -83,8 +102,9 @@ def checkpoint(
             layout=layout,
             ledger=cap.ledger,
             labels=labels,
+            canary=canary,
         )
-        timings = {**cap.stats, "save_s": time.monotonic() - t0}
+        timings = {**cap.stats, "save_s": time.monotonic() - t0, "canary_s": canary_s}
     finally:
         cap.close()
     _LAST_STATS.clear()
@@ -107,11 +127,15 @@ def restore(
     *,
     staging_dir: str | os.PathLike[str] | None = None,
     policy: Policy = STRICT,
+    generate: canary_mod.Generate | None = None,
 ) -> RestorePlan:
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
 
     Returns the requests to resubmit either way; ``warm`` says whether the
-    worker was offered the checkpoint's blocks, ``reasons`` why not.
+    worker was offered the checkpoint's blocks, ``reasons`` why not. With
+    ``generate`` (greedy, on the new worker) and a canary in the manifest,
+    the probe runs after the offer; on a mismatch the offer is withdrawn and
+    the plan is cold.
     """
     t0 = time.monotonic()
     m = repo.manifest(ref)
@@ -146,13 +170,33 @@ def restore(
         if e.get("generator_state")
     }
     offered = control.call(sock, "offer", index=str(w.index_path), generators=gens)["offered"]
-    stats = {
-        "plan_s": time.monotonic() - t0,
+    stats: dict[str, Any] = {
         "blocks": len(idx.keys),
         "failed_blocks": len(errors),
         "failures": [f"{f.key.hex()[:16]}: {f.error}" for f in errors],
         "generators": len(gens),
     }
+    if m.canary is None or generate is None:
+        stats["canary"] = {"checked": False, "recorded": m.canary is not None}
+    else:
+        t1 = time.monotonic()
+        try:
+            ok, got, why = canary_mod.check(m.canary, generate)
+        except Exception as exc:  # a probe that cannot run is a failed probe
+            ok, got, why = False, [], f"canary: probe failed: {type(exc).__name__}: {exc}"
+        stats["canary"] = {
+            "checked": True,
+            "match": ok,
+            "expected": list(m.canary.get("expected", [])),
+            "got": got,
+            "canary_s": time.monotonic() - t1,
+        }
+        if not ok:
+            control.call(sock, "withdraw")  # fail closed: nothing of this checkpoint is served
+            stats["plan_s"] = time.monotonic() - t0
+            stats["withdrawn"] = offered
+            return RestorePlan(False, [str(why)], requests, stats=stats)
+    stats["plan_s"] = time.monotonic() - t0
     return RestorePlan(True, [], requests, blocks_offered=offered, stats=stats)
 
 
