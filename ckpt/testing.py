@@ -111,3 +111,20 @@ class FaultyStore(Store):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class KilledStore(FaultyStore):
+    """A FaultyStore whose process dies at the first SimulatedCrash: every later
+    call raises SimulatedCrash too, so no clean-up (discarding packs, releasing
+    the lock) reaches the store, exactly as after a SIGKILL."""
+
+    dead = False
+
+    def _check(self, method: str, name: str, when_after: bool) -> None:
+        if self.dead:
+            raise SimulatedCrash(f"process is dead: {method} {name}")
+        try:
+            super()._check(method, name, when_after)
+        except SimulatedCrash:
+            self.dead = True
+            raise

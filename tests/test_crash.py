@@ -45,7 +45,7 @@ from ckpt import (
 from ckpt.lock import list_locks
 from ckpt.store.base import Buffer, Store
 from ckpt.store.local import LocalStore
-from ckpt.testing import Fault, FaultyStore, SimulatedCrash
+from ckpt.testing import Fault, FaultyStore, KilledStore, SimulatedCrash
 
 NS = Namespace({"model": "crash-test", "layout": "flat"})
 PINS = Pins(host=HostFacts(), worker=WorkerFacts())
@@ -114,23 +114,6 @@ def save(
     **kw: Any,
 ) -> Manifest:
     return repo.save(blocks, worker_id=worker, namespace=NS, pins=PINS, options=opts, **kw)
-
-
-class KilledStore(FaultyStore):
-    """A FaultyStore whose process dies at the first SimulatedCrash: every later
-    call raises SimulatedCrash too, so no clean-up (discarding packs, releasing
-    the lock) reaches the store, exactly as after a SIGKILL."""
-
-    dead = False
-
-    def _check(self, method: str, name: str, when_after: bool) -> None:
-        if self.dead:
-            raise SimulatedCrash(f"process is dead: {method} {name}")
-        try:
-            super()._check(method, name, when_after)
-        except SimulatedCrash:
-            self.dead = True
-            raise
 
 
 def check_after_crash(

@@ -38,7 +38,7 @@ from ckpt.index import decode_index
 from ckpt.lock import list_locks
 from ckpt.store.base import ObjectInfo, Store
 from ckpt.store.local import LocalStore
-from ckpt.testing import Fault, FaultyStore, SimulatedCrash
+from ckpt.testing import Fault, FaultyStore, KilledStore, SimulatedCrash
 
 NS = Namespace({"model": "gc-test"})
 PINS = Pins(host=HostFacts(), worker=WorkerFacts())
@@ -195,21 +195,6 @@ def test_dry_run_deletes_nothing(tmp_path: Path) -> None:
 
 
 # -- gc killed at every step ----------------------------------------------------------------------
-
-
-class KilledStore(FaultyStore):
-    """Dies at the first SimulatedCrash: every later call raises too (no clean-up)."""
-
-    dead = False
-
-    def _check(self, method: str, name: str, when_after: bool) -> None:
-        if self.dead:
-            raise SimulatedCrash(f"process is dead: {method} {name}")
-        try:
-            super()._check(method, name, when_after)
-        except SimulatedCrash:
-            self.dead = True
-            raise
 
 
 @pytest.fixture
