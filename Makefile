@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: test lint check bench demo clean
+.PHONY: test lint check bench bench-vllm demo demo-repo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,16 @@ check: lint test
 bench: $(STAMP)
 	$(PY) bench/pipeline.py
 
+# A live vLLM worker (CPU build, generated model) checkpointed, killed and restored.
 demo: $(STAMP)
+	$(PY) bench/vllm_demo.py
+
+# The repository alone: simulated workers, local and SeaweedFS storage.
+demo-repo: $(STAMP)
 	$(PY) bench/demo.py
 
+bench-vllm: $(STAMP)
+	$(PY) bench/vllm_restore.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -79,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from agent.engines.vllm import control, staging
+from agent.engines.vllm.copier import Gathered, PageCopier
 from agent.engines.vllm.ledger import client_id, make_ledger, request_entry
 
 if TYPE_CHECKING:
@@ -189,6 +190,8 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._sent: set[str] = set()
         self._kv: list[tuple[str, torch.Tensor]] = []
         self._done: dict[int, dict[str, Any]] = {}
+        self._done_lock = threading.Lock()
+        self._copier: PageCopier | None = None
         self._files: dict[str, staging.PageFile] = {}
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER and extra.get("control_socket"):
@@ -222,7 +225,9 @@ class GpuckptConnector(KVConnectorBase_V1):
         q.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._capture_requests or self._tail_copies or self._tails_inflight)
+        # A capture in flight keeps an idle engine stepping until the worker
+        # half reports its page file (written off the step, one or more steps later).
+        return bool(self._capture_requests or self._captures or self._tail_copies or self._tails_inflight)
 
     def on_new_request(self, request: Request) -> None:
         with self._lock:
@@ -486,6 +491,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                     f"gpuckpt: layer {name} KV tensor has shape {tuple(t.shape)}; "
                     f"this slice needs the block id first ({num_blocks} blocks)"
                 )
+        self._copier = PageCopier([t for _, t in self._kv])
         # The model runner (for seeded requests' generators) called us from
         # initialize_kv_cache; under MRV2 it is a few frames further up.
         f = sys._getframe(1)
@@ -525,7 +531,8 @@ class GpuckptConnector(KVConnectorBase_V1):
         if not meta.loads:
             return
         shape = self._page_shape()
-        dt = self._kv[0][1].dtype
+        ids: list[int] = []
+        pages: list[memoryview] = []
         for block_id, index_path, key_hex in meta.loads:
             try:
                 pf = self._files.get(index_path)
@@ -533,12 +540,17 @@ class GpuckptConnector(KVConnectorBase_V1):
                     pf = self._files[index_path] = staging.PageFile(index_path)
                 if tuple(pf.index.page_shape) != shape or pf.index.dtype != self._dtype():
                     raise ValueError(f"page {pf.index.page_shape} {pf.index.dtype} != {shape} {self._dtype()}")
-                src = torch.frombuffer(pf.page(bytes.fromhex(key_hex)), dtype=torch.uint8).view(dt).view(shape)
-                for li, (_, kv) in enumerate(self._kv):
-                    kv[block_id].copy_(src[li])
+                pages.append(pf.page(bytes.fromhex(key_hex)))
+                ids.append(block_id)
             except Exception:
                 log.exception("gpuckpt: loading block %d failed", block_id)
                 self._load_errors.add(block_id)
+        try:
+            assert self._copier is not None
+            self._copier.scatter(ids, pages)  # queued before this step's forward (same stream on CUDA)
+        except Exception:
+            log.exception("gpuckpt: loading %d blocks failed", len(ids))
+            self._load_errors.update(ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
@@ -553,7 +565,8 @@ class GpuckptConnector(KVConnectorBase_V1):
         return
 
     def _page(self, block_id: int) -> bytes:
-        return b"".join(kv[block_id].contiguous().view(torch.uint8).numpy().tobytes() for _, kv in self._kv)
+        assert self._copier is not None
+        return self._copier.page(block_id)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
@@ -571,43 +584,80 @@ class GpuckptConnector(KVConnectorBase_V1):
             return
         cap = meta.capture
         t0 = time.monotonic()
-        w = staging.PageWriter(
-            cap["dir"], cap["name"], dtype=self._dtype(), page_shape=self._page_shape(), layers=[n for n, _ in self._kv]
-        )
         try:
-            for key_hex, block_id in cap["pages"]:
-                w.write(bytes.fromhex(key_hex), self._page(block_id))
-            for key_hex in cap.get("tails", ()):
-                page = self._tail_pages.get(bytes.fromhex(key_hex))
-                if page is not None:
-                    w.write(bytes.fromhex(key_hex), page)
+            assert self._copier is not None
+            # Only the copy holds up the engine (on CUDA, only its GPU stream);
+            # the page file is written by a thread, reported a step or more later.
+            gathered = self._copier.gather([b for _, b in cap["pages"]])
+            tails = [
+                (k, self._tail_pages[bytes.fromhex(k)])
+                for k in cap.get("tails", ())
+                if bytes.fromhex(k) in self._tail_pages
+            ]
+            # Seeded requests' sampler state, before this step's sample (matches the ledger's outputs).
             gens = {}
             if self._runner is not None:
                 for rid, st in list(self._runner.requests.items()):
                     g = getattr(st, "generator", None)
                     if g is not None:
                         gens[rid] = base64.b64encode(g.get_state().numpy().tobytes()).decode()
+        except Exception as exc:
+            log.exception("gpuckpt: capture %s failed", cap["seq"])
+            self._finish_capture(cap["seq"], {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        pause = time.monotonic() - t0
+        threading.Thread(
+            target=self._write_capture,
+            args=(cap, gathered, tails, gens, pause),
+            name=f"gpuckpt-capture-{cap['seq']}",
+            daemon=True,
+        ).start()
+
+    def _write_capture(
+        self,
+        cap: dict[str, Any],
+        gathered: Gathered,
+        tails: list[tuple[str, bytes]],
+        gens: dict[str, str],
+        pause: float,
+    ) -> None:
+        t0 = time.monotonic()
+        w = staging.PageWriter(
+            cap["dir"], cap["name"], dtype=self._dtype(), page_shape=self._page_shape(), layers=[n for n, _ in self._kv]
+        )
+        try:
+            for (key_hex, _), page in zip(cap["pages"], gathered.pages(), strict=True):
+                w.write(bytes.fromhex(key_hex), page)
+            for key_hex, tail in tails:
+                w.write(bytes.fromhex(key_hex), tail)
             idx = w.commit()
-            self._done[cap["seq"]] = {
+            res: dict[str, Any] = {
                 "index": str(w.index_path),
-                "copy_s": time.monotonic() - t0,
+                "copy_s": pause,
+                "write_s": time.monotonic() - t0,
                 "bytes": idx.page_bytes * len(idx.keys),
                 "pages": len(idx.keys),
                 "generators": gens,
             }
         except Exception as exc:
             w.abort()
-            log.exception("gpuckpt: capture %s failed", cap["seq"])
-            self._done[cap["seq"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            log.exception("gpuckpt: writing capture %s failed", cap["seq"])
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+        self._finish_capture(cap["seq"], res)
+
+    def _finish_capture(self, seq: int, result: dict[str, Any]) -> None:
+        with self._done_lock:
+            self._done[seq] = result
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, self._sent = self._sent, set()
         return (sent or None), None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._done:
-            return None
-        done, self._done = self._done, {}
+        with self._done_lock:
+            if not self._done:
+                return None
+            done, self._done = self._done, {}
         return GpuckptWorkerMeta(done)
 
 

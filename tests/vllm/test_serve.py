@@ -1,0 +1,138 @@
+"""The same checkpoint → kill → restore cycle with ``vllm serve`` workers (the
+OpenAI-compatible server), driven over HTTP and the connector's socket.
+
+One checkpointing server and one restoring server serve the module (an
+engine start costs ~20-40 s here). The requests stream from threads; the
+checkpoint is taken once each has at least 40 tokens, the same server then
+finishes them (the uninterrupted reference), and its process group is
+SIGKILLed. The fresh server restores the checkpoint and gets the ledger's
+requests back through :meth:`ServeClient.submit`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from agent.engines.vllm import driver
+from agent.engines.vllm.serve import ServeProcess
+from ckpt import Repository
+
+pytestmark = pytest.mark.slow
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONHASHSEED": "0"}
+ARGS = [
+    "--skip-tokenizer-init",
+    "--enforce-eager",
+    "--dtype",
+    "float32",
+    "--block-size",
+    "32",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "8",
+    "--seed",
+    "0",
+]
+GREEDY = {"temperature": 0.0, "max_tokens": 700, "ignore_eos": True}
+SEEDED = {"temperature": 1.0, "seed": 4321, "max_tokens": 700, "ignore_eos": True}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("vllm-serve")
+    repo = Repository.open(str(tmp / "repo"), create=True)
+    rng = random.Random(11)
+    system = [rng.randrange(3, 512) for _ in range(64)]
+    prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 37 * i)] for i in range(3)}
+    prompts["seeded"] = system + [rng.randrange(3, 512) for _ in range(90)]
+    sampling = {k: (SEEDED if k == "seeded" else GREEDY) for k in prompts}
+
+    def worker(name: str) -> ServeProcess:
+        return ServeProcess(
+            str(tiny_llama),
+            str(tmp / f"{name}.sock"),
+            port=free_port(),
+            log_path=str(tmp / f"{name}.log"),
+            staging_dir=str(tmp / f"stage-{name}"),
+            args=ARGS,
+            env=ENV,
+        )
+
+    out: dict = {"prompts": prompts}
+    with worker("a") as a:
+        a.wait_ready()
+        results: dict = {}
+        errors: list[BaseException] = []
+
+        def run(k: str) -> None:
+            try:
+                results[k] = a.client.complete(prompts[k], sampling[k], request_id=k, stream=False)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
+        for t in threads:
+            t.start()
+        # Pace by the engine, not by the streams: the API server can lag the
+        # engine by hundreds of tokens on 2 busy cores.
+        driver.wait_for_steps(a.control_socket, live=len(prompts), steps=40)
+        m = driver.checkpoint(a.control_socket, repo, "w0", generate=a.client.generate)
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        out["checkpoint"] = m
+        out["reference"] = {k: prompts[k] + results[k].token_ids for k in prompts}
+        a.kill()  # SIGKILL to the whole group, as a preemption would
+    with worker("b") as b:
+        b.wait_ready()
+        plan = driver.restore(
+            repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate
+        )
+        out["plan"] = plan
+        out["resumed"] = b.client.submit(plan.requests)
+        out["connector"] = driver.stats(b.control_socket)
+    return out
+
+
+def test_ledger_holds_the_in_flight_requests_under_their_client_ids(served: dict) -> None:
+    entries = {e["client_request_id"]: e for e in served["checkpoint"].ledger.data["requests"]}
+    assert set(entries) == {f"cmpl-{k}-0" for k in served["prompts"]}
+    for k, p in served["prompts"].items():
+        e = entries[f"cmpl-{k}-0"]
+        assert e["prompt_token_ids"] == p
+        assert 40 <= len(e["output_token_ids"]) < 700, "checkpointed mid-decode"
+    assert entries["cmpl-seeded-0"]["generator_state"], "the seeded request's sampler state travels"
+
+
+def test_restored_requests_continue_token_identically(served: dict) -> None:
+    plan = served["plan"]
+    assert plan.warm, plan.reasons
+    assert plan.stats["canary"]["match"] is True
+    assert {r.request_id for r in plan.requests} == {f"cmpl-{k}-0" for k in served["prompts"]}
+    for r in plan.requests:
+        k = r.request_id.removeprefix("cmpl-").removesuffix("-0")
+        c = served["resumed"][r.request_id]
+        assert c.finish_reason == "length"
+        assert r.token_ids + c.token_ids == served["reference"][k], f"{k} diverged after the restore"
+
+
+def test_each_restored_request_recomputes_at_most_one_token(served: dict) -> None:
+    for r in served["plan"].requests:
+        c = served["resumed"][r.request_id]
+        # The server's own count of prompt tokens served from the cache.
+        assert c.cached_tokens == len(r.token_ids) - 1, (r.request_id, c.cached_tokens, len(r.token_ids))
+        # ...and the connector's: what it loaded on top of the new worker's own prefix hits.
+        assert served["connector"]["restored_tokens"][r.request_id] > 0
