@@ -87,10 +87,13 @@ def main() -> None:
         for name in a.models.split(","):
             results.append(bench_model(name, MODELS[name], work, tmp / name, repos, lengths, a.sessions))
             report(results[-1])
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        print(f"failed; workers' logs kept in {tmp}", file=sys.stderr)
+        raise
     finally:
         if server is not None:
             server.close()
-        shutil.rmtree(tmp, ignore_errors=True)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(results, indent=1))
 
@@ -179,8 +182,13 @@ def bench_model(
         "kv_connector_extra_config": {"shared_storage_path": str(shared)},
     }
     with worker(example) as w:
+        # One prompt at a time: ExampleConnector saves a prompt's KV per forward
+        # chunk under one name, so a prompt split across steps (chunked prefill
+        # of concurrent prompts) leaves only its last chunk on disk, and loading
+        # that crashes the engine (a shape mismatch in vLLM 0.32).
         for n in lengths:
-            ttfts(w, prompts[n])
+            for p in prompts[n]:
+                ttfts(w, [p])
     # It stores whole blocks of each prompt but its last token, like a checkpoint.
     out["example_bytes_per_token"] = du(shared) / sum((n - 1) // 32 * 32 * sessions for n in lengths)
     drop_page_cache(shared)

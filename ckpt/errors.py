@@ -28,7 +28,8 @@ need to catch this tree::
     │   ├── KeyMissing              the repository is encrypted, no key given
     │   └── KeyMismatch             the key given is not the repository's key
     ├── IncompatibleCheckpoint      the compatibility rules refuse a warm restore
-    └── OperationAborted            a deadline passed or a caller cancelled
+    ├── OperationAborted            a deadline passed or a caller cancelled
+    └── ServiceUnavailable          the agent or a worker does not answer (socket, API)
 
 Exit codes for the CLI are assigned in exactly one place, :mod:`cli.exitcodes`.
 Messages name the object and the cause; they never contain secrets.
@@ -162,3 +163,7 @@ class IncompatibleCheckpoint(GpuckptError):
 
 class OperationAborted(GpuckptError):
     """An operation was cancelled or ran past its deadline; nothing was made visible."""
+
+
+class ServiceUnavailable(GpuckptError):
+    """The agent's control API or a worker (its connector socket or its API) does not answer."""

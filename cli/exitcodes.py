@@ -13,7 +13,8 @@ code   name            when
 5      INCOMPATIBLE    IncompatibleCheckpoint; ``compat`` refuses a warm restore
 6      LOCKED          RepositoryLocked
 7      UNAVAILABLE     StoreUnavailable, AccessDenied: the store cannot be reached or
-                       refuses us
+                       refuses us; ServiceUnavailable: the agent or the worker does
+                       not answer
 8      STORAGE_FULL    StorageFull
 9      CONFIG          KeyMissing, KeyMismatch (any EncryptionError), ConfigError,
                        FormatError (UnsupportedVersion, ManifestError included)
@@ -40,6 +41,7 @@ from ckpt.errors import (
     ObjectNotFound,
     RepositoryLocked,
     RepositoryNotFound,
+    ServiceUnavailable,
     StorageFull,
     StoreUnavailable,
 )
@@ -99,6 +101,7 @@ ERROR_CODES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (RepositoryLocked, LOCKED),
     (StoreUnavailable, UNAVAILABLE),
     (AccessDenied, UNAVAILABLE),
+    (ServiceUnavailable, UNAVAILABLE),
     (StorageFull, STORAGE_FULL),
     (EncryptionError, CONFIG),  # KeyMissing, KeyMismatch
     (ConfigError, CONFIG),

@@ -52,8 +52,8 @@ from ckpt.compat import Policy, Verdict, decide
 from ckpt.logfmt import JsonFormatter, TextFormatter
 from ckpt.manifest import Manifest
 from cli import exitcodes
+from cli.options import _JSON_META, JsonOpt
 
-_JSON_META: Final = "gpuckpt.json"
 _KEY_ENV: Final = "GPUCKPT_KEY"
 _REPO_ENV: Final = "GPUCKPT_REPO"
 
@@ -105,22 +105,6 @@ class _Settings:
     key: str | None
 
 
-def _json_callback(ctx: typer.Context, value: bool) -> bool:
-    # Recorded in ctx.meta (shared by every context of one invocation) so the
-    # error handler knows to answer in JSON as well.
-    if value:
-        ctx.meta[_JSON_META] = True
-    return value
-
-
-JsonOpt = Annotated[
-    bool,
-    typer.Option(
-        "--json",
-        help="Print one JSON document on stdout instead of tables.",
-        callback=_json_callback,
-    ),
-]
 RepoOpt = Annotated[
     str | None,
     typer.Option(
@@ -877,6 +861,11 @@ def stats_cmd(
     for kind in kinds:
         table.add_row(kind, str(stats[f"{kind}_count"]), _size(stats.get(f"{kind}_bytes", 0)))
     _console().print(table)
+
+
+from cli import agent_cmds  # noqa: E402 - registers on the app defined above
+
+agent_cmds.register(app)
 
 
 def main() -> None:

@@ -63,3 +63,16 @@ def test_scatter_refuses_a_page_of_the_wrong_size() -> None:
 def test_single_page_for_a_finished_tail() -> None:
     layers = kv_layers(dtype=torch.float32)
     assert PageCopier(layers).page(5) == expected_page(layers, 5)
+
+
+def test_kv_first_layouts_are_copied_as_two_block_first_views() -> None:
+    # FlashAttention-style [2, num_blocks, ...]: the connector passes t[0] and t[1].
+    t = torch.randn(2, 6, 4, 2, 8)
+    views = [t[0], t[1]]
+    g = PageCopier(views).gather([4, 5])
+    pages = [bytes(p) for p in g.pages()]
+    assert pages[0] == t[0][4].numpy().tobytes() + t[1][4].numpy().tobytes()
+    dst = torch.zeros_like(t)
+    PageCopier([dst[0], dst[1]]).scatter([1, 2], pages)
+    assert torch.equal(dst[:, 1], t[:, 4])
+    assert torch.equal(dst[:, 2], t[:, 5])

@@ -484,12 +484,19 @@ class GpuckptConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        self._kv = sorted(kv_caches.items())
-        for name, t in self._kv:
-            if t.shape[0] != num_blocks:
+        # Block-first views of every layer: the CPU backend (and FlashInfer-
+        # style layouts) put the block id first; FlashAttention-style layouts
+        # put K/V first ([2, num_blocks, ...]), which is two block-first views.
+        self._kv = []
+        for name, t in sorted(kv_caches.items()):
+            if t.shape[0] == num_blocks:
+                self._kv.append((name, t))
+            elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+                self._kv += [(f"{name}#k", t[0]), (f"{name}#v", t[1])]
+            else:
                 raise NotImplementedError(
                     f"gpuckpt: layer {name} KV tensor has shape {tuple(t.shape)}; "
-                    f"this slice needs the block id first ({num_blocks} blocks)"
+                    f"expected the block id ({num_blocks} blocks) first, or K/V first and then the block id"
                 )
         self._copier = PageCopier([t for _, t in self._kv])
         # The model runner (for seeded requests' generators) called us from

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from agent.engines.vllm import control, staging
 from agent.engines.vllm.ledger import resubmissions
 from ckpt import Block, BlockFailure, Ledger, Manifest, Pins, Policy, Repository, WorkerFacts, decide, host_facts
 from ckpt.compat import STRICT
+from ckpt.save import SaveProgress
 
 Socket = str | os.PathLike[str]
 
@@ -76,17 +77,33 @@ def checkpoint(
     labels: dict[str, str] | None = None,
     timeout: float = 60.0,
     generate: canary_mod.Generate | None = None,
+    deadline: float | None = None,
+    progress: Callable[[SaveProgress], None] | None = None,
+    on_captured: Callable[[dict[str, Any]], None] | None = None,
+    canary: dict[str, Any] | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
 
     ``generate(prompt_ids, n)`` (greedy, on this worker) records the canary
     just before the capture; without it the manifest has no canary.
+    ``deadline`` (a ``time.monotonic()`` value) bounds the capture and the
+    save: past it the checkpoint is abandoned (:class:`ckpt.OperationAborted`)
+    and nothing becomes visible. ``on_captured(stats)`` is called once the
+    worker's pages are staged (the worker is no longer involved).
+    ``canary`` is a record from an earlier :func:`canary.record` on this
+    worker, reused instead of probing again (the agent records it once: a
+    probe costs engine steps, which a final checkpoint cannot spare).
     """
+    if deadline is not None:
+        timeout = max(0.1, min(timeout, deadline - time.monotonic()))
     desc = describe(sock)
     t_canary = time.monotonic()
-    canary = canary_mod.record(generate) if generate is not None else None
+    if canary is None and generate is not None:
+        canary = canary_mod.record(generate)
     canary_s = time.monotonic() - t_canary
     cap = capture(sock, timeout)
+    if on_captured is not None:
+        on_captured(dict(cap.stats))
     try:
         t0 = time.monotonic()
         layout = {
@@ -104,6 +121,8 @@ def checkpoint(
             ledger=cap.ledger,
             labels=labels,
             canary=canary,
+            deadline=deadline,
+            progress=progress,
         )
         timings = {**cap.stats, "save_s": time.monotonic() - t0, "canary_s": canary_s}
     finally:

@@ -1,0 +1,1 @@
+"""The gpuckpt agent: a daemon beside one serving worker (``gpuckpt agent run``)."""

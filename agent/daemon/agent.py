@@ -1,0 +1,553 @@
+"""The agent: checkpoints one worker on its triggers, restores it at start, keeps retention.
+
+Threads (all daemon threads; the main thread waits for a stop signal):
+
+* **checkpointer** — runs one checkpoint at a time from :meth:`Agent.request_checkpoint`
+  tickets. Triggers that arrive before a checkpoint's capture has begun join
+  it (two triggers at once are one checkpoint); later ones queue one more.
+  Each has a deadline; past it the save is abandoned by the repository and
+  nothing becomes visible.
+* **scheduler** — periodic checkpoints, the preemption-notice poll (a file
+  appearing or an HTTP metadata URL answering), and scheduled ``gc``.
+* **api** — the control API (:mod:`agent.daemon.api`), answering while a
+  checkpoint runs; **watchdog** — systemd pings while the threads are alive.
+
+On SIGTERM the agent takes a final checkpoint within ``stop_deadline`` and
+exits 0; a final checkpoint that fails is reported and the agent still
+exits (the previous checkpoint stays the newest good one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from agent.daemon.config import AgentConfig
+from agent.daemon.metrics import Metrics
+from agent.daemon.notify import Notifier
+from ckpt import GpuckptError, KeySource, ObjectNotFound, Policy, Repository
+from ckpt.save import SaveProgress
+
+log = logging.getLogger("gpuckpt.agent")
+
+TRIGGERS = ("periodic", "request", "stop", "preemption", "drain")
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class Ticket:
+    """One checkpoint, shared by every trigger that joined it."""
+
+    id: int
+    triggers: list[str]
+    requested_at: str = field(default_factory=_now)
+    deadline_s: float = 300.0
+    state: str = "pending"  # pending → capturing → saving → done | failed
+    started_at: str | None = None
+    progress: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None
+    error: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "triggers": list(self.triggers),
+            "state": self.state,
+            "requested_at": self.requested_at,
+            "started_at": self.started_at,
+            "progress": dict(self.progress),
+            "checkpoint": self.checkpoint,
+            "error": self.error,
+        }
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, *, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.notifier = notifier or Notifier()
+        self.metrics = Metrics(cfg.worker_id)
+        self.repo: Repository | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count(1)
+        self._pending: Ticket | None = None
+        self._running: Ticket | None = None
+        self._tickets: dict[int, Ticket] = {}
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.state = "starting"
+        self.worker: dict[str, Any] = {"attached": False, "last_seen": None, "error": None}
+        self.last_checkpoint: dict[str, Any] | None = None
+        self.last_error: dict[str, Any] | None = None
+        self.restore_report: dict[str, Any] | None = None
+        self.last_gc: dict[str, Any] | None = None
+        self.preempted: dict[str, Any] | None = None
+        self._canary: tuple[Any, dict[str, Any]] | None = None  # (worker pid, record)
+        self._client: Any = None  # ServeClient for the canary, made at the first checkpoint
+        self._api: Any = None
+        self._metrics_server: Any = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def open_repository(self) -> Repository:
+        key = KeySource.parse(self.cfg.key) if self.cfg.key else None
+        self.repo = Repository.open(self.cfg.repository, key=key, create=True)
+        return self.repo
+
+    def start(self) -> None:
+        """Open the repository, start the API and threads, restore if configured, report ready."""
+        from agent.daemon.api import ApiServer
+
+        self.open_repository()
+        self._api = ApiServer(self, self.cfg.api.socket, mode=self.cfg.api.mode, group=self.cfg.api.group)
+        self._api.start()
+        if self.cfg.metrics_address:
+            self._metrics_server = self.metrics.serve(self.cfg.metrics_address)
+        self._spawn(self._checkpointer, "gpuckpt-checkpointer")
+        if self.cfg.restore.on_start:
+            self.state = "restoring"
+            self.notifier.status(f"restoring worker {self.cfg.worker_id}")
+            self.restore_at_start()
+        self.state = "ready"
+        self._spawn(self._scheduler, "gpuckpt-scheduler")
+        self.notifier.ready(self._status_line())
+        self.notifier.start_watchdog(self.healthy)
+        log.info("agent ready", extra={"worker_id": self.cfg.worker_id, "api": str(self.cfg.api.socket)})
+
+    def run(self) -> int:
+        """Start, then serve until SIGTERM/SIGINT; take the final checkpoint; return the exit status."""
+        stop = threading.Event()
+        received: list[int] = []
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            received.append(signum)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        self.start()
+        while not stop.wait(1.0):
+            pass
+        log.info("stop requested", extra={"signal": signal.Signals(received[0]).name if received else None})
+        self.shutdown(final=self.cfg.checkpoint.on_stop)
+        return 0
+
+    def shutdown(self, *, final: bool) -> None:
+        self.state = "stopping"
+        self.notifier.stopping(f"stopping: {'final checkpoint' if final else 'no final checkpoint'}")
+        if final:
+            budget = self.cfg.checkpoint.stop_deadline.total_seconds()
+            t = self.request_checkpoint("stop", deadline_s=budget)
+            if not t.done.wait(budget + 5):
+                log.error("final checkpoint did not finish in its deadline", extra={"ticket": t.id})
+            elif t.error:
+                log.error("final checkpoint failed", extra={"ticket": t.id, "error": t.error})
+            else:
+                log.info("final checkpoint saved", extra={"checkpoint": t.checkpoint})
+        self._stopping.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self._api is not None:
+            self._api.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.notifier.close()
+
+    def _spawn(self, fn: Any, name: str) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def healthy(self) -> bool:
+        """Every agent thread alive (the watchdog stops pinging otherwise and systemd restarts us)."""
+        return all(t.is_alive() for t in self._threads)
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def request_checkpoint(self, trigger: str, *, deadline_s: float | None = None) -> Ticket:
+        """Queue (or join) a checkpoint; returns its ticket at once."""
+        if trigger not in TRIGGERS:
+            raise ValueError(f"unknown trigger {trigger!r}; one of {', '.join(TRIGGERS)}")
+        budget = deadline_s if deadline_s is not None else self.cfg.checkpoint.deadline.total_seconds()
+        with self._wake:
+            if self.state == "stopping" and trigger != "stop":
+                # The final checkpoint is the last one: nothing may land after it.
+                t = Ticket(next(self._ids), [trigger], state="failed", error="the agent is stopping")
+                t.done.set()
+                return t
+            r = self._running
+            if r is not None and r.state == "pending":  # not captured yet: this trigger rides along
+                r.triggers.append(trigger)
+                return r
+            if self._pending is None:
+                self._pending = Ticket(next(self._ids), [trigger], deadline_s=budget)
+                self._tickets[self._pending.id] = self._pending
+                self._wake.notify_all()
+            else:
+                self._pending.triggers.append(trigger)
+                self._pending.deadline_s = min(self._pending.deadline_s, budget)
+            # Keep the last few tickets for status queries.
+            for old in sorted(self._tickets)[:-32]:
+                if self._tickets[old].done.is_set():
+                    del self._tickets[old]
+            return self._pending
+
+    def ticket(self, ticket_id: int) -> Ticket | None:
+        with self._lock:
+            return self._tickets.get(ticket_id)
+
+    def _checkpointer(self) -> None:
+        while True:
+            with self._wake:
+                while self._pending is None and not self._stopping.is_set():
+                    self._wake.wait()
+                if self._pending is None:
+                    return
+                t, self._pending = self._pending, None
+                self._running = t
+            try:
+                self._run_checkpoint(t)
+            finally:
+                with self._lock:
+                    self._running = None
+                t.done.set()
+
+    def _run_checkpoint(self, t: Ticket) -> None:
+        from agent.engines.vllm import driver
+        from agent.engines.vllm.serve import ServeClient
+
+        assert self.repo is not None
+        log.info("checkpoint started", extra={"ticket": t.id, "triggers": list(t.triggers)})
+        t0 = time.monotonic()
+        deadline = t0 + t.deadline_s
+        t.started_at = _now()
+        trigger = t.triggers[0]
+        self.notifier.status(f"checkpointing ({', '.join(t.triggers)})")
+        if self._client is None and self.cfg.worker_url and self.cfg.checkpoint.canary:
+            self._client = ServeClient(self.cfg.worker_url)  # kept: a final checkpoint must not build one
+        client = self._client
+
+        def captured(stats: dict[str, Any]) -> None:
+            t.state = "saving"
+            t.progress = {"phase": "saving", "blocks": 0, "total_blocks": stats.get("pages", 0), "uploaded_bytes": 0}
+
+        def progress(p: SaveProgress) -> None:
+            t.progress.update(phase=p.phase, blocks=p.blocks, uploaded_bytes=p.uploaded_bytes, new_blocks=p.new_blocks)
+
+        try:
+            with self._lock:
+                t.state = "capturing"  # from here on a new trigger queues another checkpoint
+            t.progress = {"phase": "capturing"}
+            canary = self._canary_record(client)
+            m = driver.checkpoint(
+                self.cfg.connector_socket,
+                self.repo,
+                self.cfg.worker_id,
+                labels={"trigger": ",".join(sorted(set(t.triggers)))},
+                timeout=self.cfg.checkpoint.capture_timeout.total_seconds(),
+                canary=canary,
+                deadline=deadline,
+                progress=progress,
+                on_captured=captured,
+            )
+        except Exception as exc:  # every failure is reported, none kills the agent
+            t.state, t.error = "failed", _describe(exc)
+            outcome = "abandoned" if type(exc).__name__ == "OperationAborted" else "failed"
+            self.metrics.checkpoints.labels(trigger=trigger, outcome=outcome).inc()
+            self.last_error = {"at": _now(), "operation": "checkpoint", "ticket": t.id, "error": t.error}
+            self._note_worker(exc)
+            log.error("checkpoint %s", outcome, extra={"ticket": t.id, "triggers": t.triggers, "error": t.error})
+            self.notifier.status(f"checkpoint {outcome}: {t.error}"[:200])
+            return
+        stats = {**driver.last_checkpoint_stats(), "total_s": time.monotonic() - t0}
+        t.state, t.checkpoint, t.stats = "done", m.id, stats
+        t.progress["phase"] = "done"
+        self.worker.update(attached=True, last_seen=_now(), error=None)
+        self.metrics.checkpoint_done(trigger, stats, m.sizes)
+        self.last_checkpoint = {
+            "id": m.id,
+            "at": _now(),
+            "triggers": t.triggers,
+            "duration_s": round(stats["total_s"], 3),
+            "pause_ms": round(stats.get("copy_s", 0.0) * 1000, 2),
+            "blocks": m.sizes.blocks,
+            "new_blocks": m.sizes.new_blocks,
+            "stored_bytes": m.sizes.stored_bytes,
+            "new_stored_bytes": m.sizes.new_stored_bytes,
+            "requests": len(m.ledger.data.get("requests", [])) if m.ledger is not None else 0,
+            "timings": {k: round(float(stats.get(k, 0.0)), 4) for k in ("wait_s", "capture_s", "write_s", "save_s")},
+        }
+        log.info(
+            "checkpoint saved",
+            extra={"checkpoint": m.id, **{k: v for k, v in self.last_checkpoint.items() if k != "id"}},
+        )
+        self.notifier.status(self._status_line())
+        self._retention()
+
+    def _canary_record(self, client: Any) -> dict[str, Any] | None:
+        """The worker's canary, probed once per worker process and reused by every checkpoint."""
+        from agent.engines.vllm import canary as canary_mod
+        from agent.engines.vllm import control
+
+        if client is None:
+            return None
+        pid = control.call(self.cfg.connector_socket, "ping").get("pid")
+        if self._canary is None or self._canary[0] != pid:
+            self._canary = (pid, canary_mod.record(client.generate))
+        return self._canary[1]
+
+    def _retention(self) -> None:
+        assert self.repo is not None
+        r = self.cfg.retention
+        try:
+            removed = self.repo.forget(keep_last=r.keep_last, keep_within=r.keep_within, worker_id=self.cfg.worker_id)
+            if removed:
+                log.info("retention forgot checkpoints", extra={"forgotten": [str(x) for x in removed]})
+        except GpuckptError as exc:
+            log.warning("retention failed", extra={"error": _describe(exc)})
+
+    def _note_worker(self, exc: BaseException) -> None:
+        if isinstance(exc, (ConnectionError, FileNotFoundError, TimeoutError, OSError)):
+            self.worker.update(attached=False, error=_describe(exc))
+
+    # -- scheduler: periodic, preemption notices, gc ------------------------------------------
+
+    def _scheduler(self) -> None:
+        c = self.cfg.checkpoint
+        now = time.monotonic()
+        next_periodic = now + c.interval.total_seconds() if c.interval else None
+        next_poll = now if (c.preemption_file or c.preemption_url) else None
+        gc_every = self.cfg.retention.gc_interval
+        next_gc = now + gc_every.total_seconds() if gc_every else None
+        while not self._stopping.wait(0.2):
+            now = time.monotonic()
+            if self.state == "stopping":
+                continue
+            if next_periodic is not None and now >= next_periodic:
+                self.request_checkpoint("periodic")
+                next_periodic = now + c.interval.total_seconds()  # type: ignore[union-attr]
+            if next_poll is not None and now >= next_poll:
+                next_poll = now + c.preemption_poll.total_seconds()
+                notice = self._preemption_notice()
+                if notice and self.preempted is None:
+                    self.preempted = {"at": _now(), "notice": notice}
+                    log.warning("preemption notice", extra={"notice": notice})
+                    self.request_checkpoint("preemption")
+            if next_gc is not None and now >= next_gc:
+                next_gc = now + gc_every.total_seconds()  # type: ignore[union-attr]
+                self._gc()
+
+    def _preemption_notice(self) -> str | None:
+        c = self.cfg.checkpoint
+        if c.preemption_file is not None and c.preemption_file.exists():
+            return f"file {c.preemption_file}"
+        if c.preemption_url:
+            try:
+                # Cloud metadata services answer 200 with a body once a stop is scheduled, 404 before.
+                with urllib.request.urlopen(c.preemption_url, timeout=2) as r:  # noqa: S310 - configured URL
+                    if r.status == 200:
+                        return f"url {c.preemption_url}: {r.read(200).decode(errors='replace').strip()}"
+            except OSError:
+                return None
+        return None
+
+    def _gc(self) -> None:
+        assert self.repo is not None
+        try:
+            rep = self.repo.gc(grace=self.cfg.retention.gc_grace)
+            self.last_gc = {"at": _now(), "report": _jsonable(rep)}
+        except GpuckptError as exc:
+            self.last_gc = {"at": _now(), "error": _describe(exc)}
+            log.warning("gc failed", extra={"error": _describe(exc)})
+
+    # -- restore at start --------------------------------------------------------------------
+
+    def _wait_for_worker(self, budget: float) -> bool:
+        from agent.engines.vllm import driver
+
+        end = time.monotonic() + budget
+        while time.monotonic() < end and not self._stopping.is_set():
+            try:
+                driver.describe(self.cfg.connector_socket)
+                self.worker.update(attached=True, last_seen=_now(), error=None)
+                return True
+            except (OSError, ValueError, RuntimeError) as exc:
+                self.worker.update(attached=False, error=_describe(exc))
+                time.sleep(0.5)
+        return False
+
+    def restore_at_start(self) -> dict[str, Any]:
+        """Restore this worker's checkpoint (warm or cold with replay) into the attached worker."""
+        from agent.engines.vllm import driver
+        from agent.engines.vllm.serve import ServeClient
+
+        assert self.repo is not None
+        ref = self.cfg.restore.checkpoint
+        ref = f"{self.cfg.worker_id}:latest" if ref == "latest" else ref
+        t0 = time.monotonic()
+        rep: dict[str, Any] = {"checkpoint": None, "outcome": None, "reasons": [], "started_at": _now()}
+        self.restore_report = rep
+        try:
+            info = self.repo.resolve(ref)
+        except (ObjectNotFound, GpuckptError) as exc:
+            rep.update(outcome="none", reasons=[f"nothing to restore: {_describe(exc)}"])
+            self.metrics.restores.labels(outcome="none", reason="no checkpoint").inc()
+            log.info("no checkpoint to restore", extra={"ref": ref})
+            return rep
+        rep["checkpoint"] = info.id
+        if not self._wait_for_worker(self.cfg.restore.wait_for_worker.total_seconds()):
+            rep.update(outcome="failed", reasons=[f"worker not reachable: {self.worker.get('error')}"])
+            self.metrics.restores.labels(outcome="failed", reason="worker unreachable").inc()
+            return rep
+        client = ServeClient(self.cfg.worker_url) if self.cfg.worker_url else None
+        try:
+            if client is not None:
+                client.wait_ready(self.cfg.restore.wait_for_worker.total_seconds())
+            plan = driver.restore(
+                self.repo,
+                info.id,
+                self.cfg.connector_socket,
+                policy=Policy.from_strings(ignore=self.cfg.restore.ignore_rules),
+                generate=client.generate if client is not None else None,
+            )
+        except Exception as exc:
+            rep.update(outcome="failed", reasons=[_describe(exc)])
+            self.metrics.restores.labels(outcome="failed", reason=type(exc).__name__).inc()
+            self.last_error = {"at": _now(), "operation": "restore", "error": _describe(exc)}
+            log.error("restore failed", extra={"checkpoint": info.id, "error": _describe(exc)})
+            if client is not None:
+                client.close()
+            return rep
+        outcome = "warm" if plan.warm else "cold"
+        reason = "pins match" if plan.warm else (plan.reasons[0].split(":")[0] if plan.reasons else "unknown")
+        self.metrics.restores.labels(outcome=outcome, reason=reason).inc()
+        self.metrics.restore_seconds.observe(time.monotonic() - t0)
+        rep.update(
+            outcome=outcome,
+            reasons=list(plan.reasons),
+            requests=[r.request_id for r in plan.requests],
+            blocks_offered=plan.blocks_offered,
+            plan_s=round(time.monotonic() - t0, 3),
+            canary=plan.stats.get("canary"),
+        )
+        log.info(
+            "restore planned",
+            extra={"checkpoint": info.id, "outcome": outcome, "reasons": plan.reasons, "requests": len(plan.requests)},
+        )
+        if client is not None and plan.requests:
+            # A one-shot thread: not in self._threads, whose liveness the watchdog checks.
+            threading.Thread(
+                target=self._resubmit, args=(client, plan.requests, rep), name="gpuckpt-resubmit", daemon=True
+            ).start()
+        else:
+            state = "done" if not plan.requests else "not configured (no worker_url): GET /restore lists them"
+            rep["resubmission"] = {"state": state, "requests": len(plan.requests)}
+            rep["results"] = {}
+            if client is not None:
+                client.close()
+        return rep
+
+    def _resubmit(self, client: Any, requests: list[Any], rep: dict[str, Any]) -> None:
+        """Resubmit the ledger; keep each output under its original id for a gateway to collect."""
+        rep["resubmission"] = {"state": "running", "requests": len(requests)}
+        try:
+            outs = client.submit(requests)
+        except Exception as exc:
+            rep["resubmission"] = {"state": "failed", "error": _describe(exc)}
+            log.error("resubmission failed", extra={"error": _describe(exc)})
+            return
+        finally:
+            client.close()
+        results = {
+            r.request_id: {
+                "output_token_ids": r.output_token_ids + outs[r.request_id].token_ids,
+                "new_token_ids": outs[r.request_id].token_ids,
+                "finish_reason": outs[r.request_id].finish_reason,
+                "cached_tokens": outs[r.request_id].cached_tokens,
+                "prompt_tokens": len(r.token_ids),
+            }
+            for r in requests
+        }
+        rep["resubmission"] = {"state": "done", "requests": len(requests)}
+        rep["results"] = results
+        log.info("resubmitted requests finished", extra={"requests": len(requests)})
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            running = self._running.view() if self._running is not None else None
+            pending = self._pending.view() if self._pending is not None else None
+        rr = dict(self.restore_report) if self.restore_report else None
+        if rr is not None:
+            rr.pop("results", None)  # large; GET /restore has them
+        return {
+            "worker_id": self.cfg.worker_id,
+            "state": self.state,
+            "pid": os.getpid(),
+            "repository": _redact(self.cfg.repository),
+            "worker": dict(self.worker),
+            "operation": running,
+            "pending": pending,
+            "last_checkpoint": self.last_checkpoint,
+            "last_error": self.last_error,
+            "restore": rr,
+            "preempted": self.preempted,
+            "last_gc": self.last_gc,
+        }
+
+    def _status_line(self) -> str:
+        lc = self.last_checkpoint
+        last = f"last checkpoint {lc['id']}" if lc else "no checkpoint yet"
+        rr = self.restore_report
+        rs = f"; restore {rr['outcome']}" if rr and rr.get("outcome") else ""
+        return f"{self.state}: worker {self.cfg.worker_id}, {last}{rs}"
+
+
+def _describe(exc: BaseException) -> str:
+    msg = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+def _redact(url: str) -> str:
+    """Repository URL without userinfo or query secrets (credentials never belong there, but be safe)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password or parts.username:
+        netloc = parts.hostname or ""
+        if parts.port:
+            netloc += f":{parts.port}"
+        parts = parts._replace(netloc=netloc)
+    return urlunsplit(parts)
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        return json.loads(json.dumps(obj, default=lambda o: getattr(o, "__dict__", str(o))))
+    except (TypeError, ValueError):
+        return str(obj)
+
+
+def state_path(base: Path, name: str) -> Path:
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return base / name
+
+
+__all__ = ["Agent", "Ticket", "TRIGGERS", "contextlib"]

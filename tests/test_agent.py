@@ -1,0 +1,368 @@
+"""The agent daemon against a stand-in connector (tests/fake_connector.py).
+
+The real vLLM worker path is ``tests/vllm/test_agent_e2e.py``; these pin the
+agent's own behaviour: configuration errors, triggers and their
+coalescing, deadlines, SIGTERM's final checkpoint, the control API under
+malformed input, socket permissions, the systemd notify protocol and the
+metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.daemon import config as config_mod
+from agent.daemon.agent import Agent
+from agent.daemon.api import AgentApiError, AgentClient
+from agent.daemon.notify import Notifier
+from ckpt import ConfigError, Repository
+from tests.fake_connector import FakeConnector
+
+
+@pytest.fixture
+def short_tmp() -> Path:
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can exceed that.
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="gpa-", dir="/tmp"))
+    yield d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def make_cfg(tmp: Path, **over: object) -> config_mod.AgentConfig:
+    base: dict[str, object] = {
+        "worker_id": "w0",
+        "repository": str(tmp / "repo"),
+        "connector_socket": str(tmp / "conn.sock"),
+        "api": {"socket": str(tmp / "agent.sock")},
+        "restore": {"on_start": False},
+        "retention": {"keep_last": 2, "gc_interval": None},
+    }
+    base.update(over)
+    return config_mod.load(None, **base)
+
+
+@pytest.fixture
+def rig(short_tmp: Path):
+    fake = FakeConnector(short_tmp / "conn.sock", short_tmp / "stage")
+    agents: list[Agent] = []
+
+    def start(**over: object) -> Agent:
+        a = Agent(make_cfg(short_tmp, **over), notifier=Notifier(address=""))
+        a.start()
+        agents.append(a)
+        return a
+
+    yield short_tmp, fake, start
+    for a in agents:
+        if a.state != "stopping":
+            a.shutdown(final=False)
+    fake.close()
+
+
+# -- configuration -----------------------------------------------------------------------
+
+
+def test_invalid_config_names_every_bad_field(tmp_path: Path) -> None:
+    f = tmp_path / "agent.toml"
+    f.write_text(
+        'worker_id = "bad id!"\nrepository = "/r"\nconnector_socket = "/c"\nkey = "hunter2"\n'
+        '[api]\nsocket = "/a"\nmode = "0666"\n[checkpoint]\ninterval = "10 minutes"\n'
+    )
+    with pytest.raises(ConfigError) as e:
+        config_mod.load(f)
+    msg = str(e.value)
+    assert str(f) in msg
+    for field in ("worker_id", "key", "api.mode", "checkpoint.interval"):
+        assert field in msg, msg
+    assert "hunter2" not in msg  # a key pasted in the wrong place is never echoed
+    assert "others access" in msg
+
+
+def test_unknown_fields_and_bad_toml_are_refused(tmp_path: Path) -> None:
+    f = tmp_path / "agent.toml"
+    f.write_text('worker_id = "w"\nrepository = "/r"\nconnector_socket = "/c"\n[api]\nsocket = "/a"\nsokcet = 1\n')
+    with pytest.raises(ConfigError, match=r"api.sokcet: Extra inputs are not permitted"):
+        config_mod.load(f)
+    f.write_text("worker_id = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config_mod.load(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        config_mod.load(tmp_path / "missing.toml")
+
+
+def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "agent.toml"
+    f.write_text(
+        'worker_id = "w"\nrepository = "/r"\nconnector_socket = "/c"\n'
+        '[api]\nsocket = "/a"\n[checkpoint]\ninterval = "10m"\n'
+    )
+    monkeypatch.setenv("GPUCKPT_AGENT__CHECKPOINT__INTERVAL", "30s")
+    monkeypatch.setenv("GPUCKPT_AGENT__REPOSITORY", "s3://b/p")
+    cfg = config_mod.load(f)
+    assert cfg.checkpoint.interval.total_seconds() == 30
+    assert cfg.repository == "s3://b/p"
+    assert cfg.api.mode == 0o660
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def test_request_checkpoint_lands_and_status_reports_it(rig) -> None:
+    tmp, _fake, start = rig
+    a = start()
+    with AgentClient(a.cfg.api.socket) as c:
+        t = c.request("POST", "/checkpoint", {})
+        for _ in range(200):
+            t = c.request("GET", f"/checkpoint/{t['id']}")
+            if t["state"] in ("done", "failed"):
+                break
+            time.sleep(0.05)
+        assert t["state"] == "done", t
+        st = c.request("GET", "/status")
+    assert st["last_checkpoint"]["id"] == t["checkpoint"]
+    assert st["worker"]["attached"] is True
+    assert [i.id for i in Repository.open(str(tmp / "repo")).list("w0")] == [t["checkpoint"]]
+
+
+def test_triggers_at_once_coalesce_into_one_checkpoint(rig) -> None:
+    tmp, fake, start = rig
+    a = start()
+    fake.gate = threading.Event()  # the first capture waits: the next triggers queue behind it
+    first = a.request_checkpoint("request")
+    time.sleep(0.3)
+    queued = [a.request_checkpoint(t) for t in ("periodic", "preemption", "request")]
+    assert len({q.id for q in queued}) == 1, "triggers while one runs share the next checkpoint"
+    assert queued[0].id != first.id
+    fake.gate.set()
+    assert first.done.wait(20)
+    assert queued[0].done.wait(20)
+    assert sorted(queued[0].triggers) == ["periodic", "preemption", "request"]
+    assert fake.captures == 2
+    assert len(Repository.open(str(tmp / "repo")).list("w0")) == 2
+
+
+def test_a_checkpoint_past_its_deadline_is_abandoned_and_nothing_is_visible(rig) -> None:
+    tmp, fake, start = rig
+    a = start()
+    good = a.request_checkpoint("request")
+    assert good.done.wait(20)
+    assert good.state == "done"
+    fake.capture_delay = 1.5
+    t = a.request_checkpoint("request", deadline_s=0.5)
+    assert t.done.wait(20)
+    assert t.state == "failed"
+    assert "timed out" in t.error.lower() or "deadline" in t.error.lower() or "Aborted" in t.error, t.error
+    ids = [i.id for i in Repository.open(str(tmp / "repo")).list("w0")]
+    assert ids == [good.checkpoint], "the abandoned checkpoint is not visible; the previous one is intact"
+    assert a.status()["last_error"]["operation"] == "checkpoint"
+
+
+def test_worker_failing_a_capture_is_reported_and_the_agent_keeps_going(rig) -> None:
+    _tmp, fake, start = rig
+    a = start()
+    fake.fail_capture = "the worker died mid-capture"
+    t = a.request_checkpoint("request")
+    assert t.done.wait(20)
+    assert t.state == "failed"
+    assert "died mid-capture" in t.error
+    fake.fail_capture = None
+    t2 = a.request_checkpoint("request")
+    assert t2.done.wait(20)
+    assert t2.state == "done"
+
+
+def test_periodic_checkpoints_are_incremental_and_retention_keeps_the_newest(rig) -> None:
+    tmp, fake, start = rig
+    a = start(checkpoint={"interval": "1s"})
+    repo = Repository.open(str(tmp / "repo"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and fake.captures < 4:
+        fake.generation = fake.captures
+        time.sleep(0.2)
+    a.shutdown(final=False)
+    ids = [i.id for i in repo.list("w0")]
+    assert len(ids) == 2, ids  # keep_last = 2
+    m = repo.manifest(ids[-1])
+    assert m.sizes.new_blocks <= 1 < m.sizes.blocks, m.sizes  # only the changed page was written
+
+
+def test_sigterm_path_takes_a_final_checkpoint(rig) -> None:
+    tmp, _fake, start = rig
+    a = start()
+    a.shutdown(final=True)
+    infos = Repository.open(str(tmp / "repo")).list("w0")
+    assert len(infos) == 1
+    m = Repository.open(str(tmp / "repo")).manifest(infos[0].id)
+    assert m.labels.get("trigger") == "stop"
+
+
+def test_preemption_notice_file_triggers_one_checkpoint(rig) -> None:
+    tmp, fake, start = rig
+    notice = tmp / "preempt"
+    a = start(checkpoint={"preemption_file": str(notice), "preemption_poll": "1s"})
+    time.sleep(0.5)
+    assert fake.captures == 0
+    notice.write_text("terminate at 12:00")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and a.status()["last_checkpoint"] is None:
+        time.sleep(0.1)
+    assert a.status()["preempted"]["notice"].startswith("file ")
+    time.sleep(1.5)
+    assert fake.captures == 1, "one notice, one checkpoint"
+
+
+# -- the control API ---------------------------------------------------------------------------
+
+
+def test_api_socket_is_created_with_the_configured_mode(rig) -> None:
+    tmp, _fake, start = rig
+    a = start(api={"socket": str(tmp / "agent.sock"), "mode": "0600"})
+    assert stat.S_IMODE(os.stat(a.cfg.api.socket).st_mode) == 0o600
+
+
+def raw(sock: Path, data: bytes) -> bytes:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(sock))
+    s.sendall(data)
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        out += chunk
+        if b"\r\n\r\n" in out:
+            head, _, body = out.partition(b"\r\n\r\n")
+            n = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
+            if len(body) >= n:
+                break
+    s.close()
+    return out
+
+
+def test_malformed_requests_get_errors_and_the_agent_keeps_answering(rig) -> None:
+    _tmp, _fake, start = rig
+    a = start()
+    sock = a.cfg.api.socket
+    assert b" 400 " in raw(sock, b"GARBAGE\r\n\r\n").split(b"\r\n")[0]
+    r = raw(sock, b"POST /checkpoint HTTP/1.1\r\nContent-Length: 5\r\n\r\n{nope")
+    assert b"400" in r.split(b"\r\n")[0]
+    assert b"not JSON" in r
+    r = raw(sock, b"POST /checkpoint HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n")
+    assert b"413" in r.split(b"\r\n")[0]
+    r = raw(sock, b'POST /checkpoint HTTP/1.1\r\nContent-Length: 18\r\n\r\n{"trigger": "now"}')
+    assert b"400" in r.split(b"\r\n")[0]
+    assert b"trigger must be" in r
+    with AgentClient(sock) as c:
+        with pytest.raises(AgentApiError, match="404"):
+            c.request("GET", "/nope")
+        with pytest.raises(AgentApiError, match="404"):
+            c.request("GET", "/checkpoint/12345")
+        assert c.request("GET", "/health")["ok"] is True
+
+
+def test_status_answers_while_a_checkpoint_is_running(rig) -> None:
+    _tmp, fake, start = rig
+    a = start()
+    fake.gate = threading.Event()
+    a.request_checkpoint("request")
+    time.sleep(0.2)
+    with AgentClient(a.cfg.api.socket, timeout=5) as c:
+        t0 = time.monotonic()
+        st = c.request("GET", "/status")
+        assert time.monotonic() - t0 < 2
+    assert st["operation"]["state"] == "capturing"
+    fake.gate.set()
+
+
+def test_metrics_count_checkpoints_by_outcome(rig) -> None:
+    import socket as s
+
+    with s.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _tmp, fake, start = rig
+    a = start(metrics_address=f"127.0.0.1:{port}")
+    t = a.request_checkpoint("request")
+    assert t.done.wait(20)
+    fake.fail_capture = "boom"
+    t = a.request_checkpoint("periodic")
+    assert t.done.wait(20)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert 'gpuckpt_checkpoints_total{outcome="ok",trigger="request"} 1.0' in text
+    assert 'gpuckpt_checkpoints_total{outcome="failed",trigger="periodic"} 1.0' in text
+    assert "gpuckpt_last_checkpoint_age_seconds" in text
+    assert "gpuckpt_bytes_written_total" in text
+
+
+# -- systemd notify ---------------------------------------------------------------------------------
+
+
+def test_readiness_status_and_watchdog_reach_a_real_notify_socket(rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp, _fake, _start = rig
+    path = tmp / "notify.sock"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(str(path))
+    rx.settimeout(10)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # ping every 0.2 s
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    a = Agent(make_cfg(tmp), notifier=Notifier())
+    a.start()
+    try:
+        msgs: list[str] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any("WATCHDOG=1" in m for m in msgs):
+            msgs.append(rx.recv(4096).decode())
+        ready = [m for m in msgs if "READY=1" in m]
+        assert ready, msgs
+        assert "STATUS=ready: worker w0" in ready[0]
+        assert any("WATCHDOG=1" in m for m in msgs)
+        a.shutdown(final=True)
+        rest = []
+        rx.settimeout(1)
+        try:
+            while True:
+                rest.append(rx.recv(4096).decode())
+        except TimeoutError:
+            pass
+        assert any("STOPPING=1" in m for m in rest), rest
+        assert any("checkpointing (stop)" in m for m in rest), rest
+    finally:
+        rx.close()
+
+
+def test_cli_checkpoint_and_status_through_the_agent(rig) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    tmp, fake, start = rig
+    a = start()
+    runner = CliRunner()
+    r = runner.invoke(app, ["checkpoint", "--agent", str(a.cfg.api.socket), "--wait", "--json"])
+    assert r.exit_code == 0, r.output
+    t = json.loads(r.stdout)
+    assert t["state"] == "done"
+    r = runner.invoke(app, ["status", "--agent", str(a.cfg.api.socket), "--json"])
+    assert json.loads(r.stdout)["last_checkpoint"]["id"] == t["checkpoint"]
+    fake.fail_capture = "worker gone"
+    r = runner.invoke(app, ["checkpoint", "--agent", str(a.cfg.api.socket), "--wait"])
+    assert r.exit_code == 1
+    assert "checkpoint failed" in r.output
+    assert "worker gone" in r.output
+    r = runner.invoke(app, ["status", "--agent", str(tmp / "nobody.sock"), "--json"])
+    assert r.exit_code == 7, r.output
+    assert json.loads(r.stdout)["error"]["type"] == "ServiceUnavailable"

@@ -1,0 +1,242 @@
+"""The agent end to end with real processes: SeaweedFS, a ``vllm serve`` CPU worker
+with the connector, and ``gpuckpt agent run`` beside it.
+
+Periodic checkpoints land in the bucket and are incremental; SIGTERM to the
+agent takes a final checkpoint with requests in flight and exits 0; a new
+worker and a new agent restore it at start (warm), resubmit the in-flight
+requests, and they complete with the tokens an uninterrupted run produces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agent.engines.vllm import driver
+from agent.engines.vllm.serve import ServeProcess
+from ckpt import Repository
+from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(path: Path, *, url: str, worker: ServeProcess, api: Path, restore: bool) -> None:
+    path.write_text(
+        f"""
+worker_id = "w0"
+repository = "{url}"
+connector_socket = "{worker.control_socket}"
+worker_url = "{worker.url}"
+log_format = "json"
+
+[api]
+socket = "{api}"
+mode = "0600"
+
+[checkpoint]
+interval = "3s"
+stop_deadline = "60s"
+
+[restore]
+on_start = {"true" if restore else "false"}
+wait_for_worker = "2m"
+
+[retention]
+keep_last = 10
+gc_interval = "1h"
+"""
+    )
+
+
+def start_agent(config: Path, log: Path, api: Path) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "agent", "run", "--config", str(config)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"agent exited {p.returncode}:\n{log.read_text()[-3000:]}")
+        if api.exists():
+            r = cli("status", "--agent", str(api), "--json")
+            if r.returncode == 0 and json.loads(r.stdout)["state"] == "ready":
+                return p
+        time.sleep(0.3)
+    p.kill()
+    raise TimeoutError(f"agent not ready:\n{log.read_text()[-3000:]}")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120)
+
+
+def wait_for(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.25)
+    raise TimeoutError(what)
+
+
+@pytest.fixture(scope="module")
+def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
+    tmp = Path(tempfile.mkdtemp(prefix="gpe2e-", dir="/tmp"))
+    bucket = seaweed.make_bucket(f"e2e-{uuid.uuid4().hex[:10]}")
+    url = f"s3://{bucket}/repo?endpoint={seaweed.endpoint}"
+    out: dict = {"tmp": tmp}
+    rng = random.Random(3)
+    system = [rng.randrange(3, 512) for _ in range(64)]
+
+    def worker(name: str) -> ServeProcess:
+        w = ServeProcess(
+            str(tiny_llama),
+            str(tmp / f"{name}.sock"),
+            port=free_port(),
+            log_path=str(tmp / f"{name}.log"),
+            staging_dir=str(tmp / f"stage-{name}"),
+            args=ARGS,
+            env=ENV,
+        )
+        w.wait_ready()
+        return w
+
+    repo = Repository.open(url, create=True)
+    # -- worker A with its agent: periodic checkpoints, then SIGTERM with requests in flight.
+    with worker("a") as a:
+        api = tmp / "agent-a.sock"
+        write_config(tmp / "a.toml", url=url, worker=a, api=api, restore=False)
+        agent = start_agent(tmp / "a.toml", tmp / "agent-a.log", api)
+        try:
+            n0 = len(wait_for(lambda: repo.list("w0"), 30, "a first periodic checkpoint"))
+            # Traffic: three conversations' first turns; the next periodic checkpoint holds them.
+            convs = [system + [rng.randrange(3, 512) for _ in range(150 + 20 * i)] for i in range(3)]
+            for i, p in enumerate(convs):
+                a.client.complete(p, {**GREEDY, "max_tokens": 32}, request_id=f"turn1-{i}", stream=False)
+            t_traffic = time.monotonic()
+            def two_more():  # type: ignore[no-untyped-def]
+                infos = repo.list("w0")
+                return infos if len(infos) >= n0 + 2 else None
+
+            ids = wait_for(two_more, 60, "two periodic checkpoints after the traffic")
+            out["periodic"] = [repo.manifest(i.id) for i in ids]
+            out["traffic_s"] = time.monotonic() - t_traffic
+            # In flight at SIGTERM.
+            prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 30 * i)] for i in range(3)}
+            threads = [
+                threading.Thread(
+                    target=lambda k=k: _quiet(lambda: a.client.complete(prompts[k], GREEDY, request_id=k, stream=False))
+                )
+                for k in prompts
+            ]
+            for t in threads:
+                t.start()
+            driver.wait_for_steps(a.control_socket, live=3, steps=30)
+            agent.send_signal(signal.SIGTERM)
+            out["agent_a_exit"] = agent.wait(90)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+        out["prompts"] = prompts
+        final = repo.list("w0")[-1]
+        out["final"] = repo.manifest(final.id)
+        a.kill()
+    # -- worker B with a fresh agent: restore at start.
+    with worker("b") as b:
+        api = tmp / "agent-b.sock"
+        write_config(tmp / "b.toml", url=url, worker=b, api=api, restore=True)
+        agent = start_agent(tmp / "b.toml", tmp / "agent-b.log", api)
+        try:
+            def restored():  # type: ignore[no-untyped-def]
+                r = cli("status", "--agent", str(api), "--json")
+                st = json.loads(r.stdout)
+                state = (st.get("restore") or {}).get("resubmission", {}).get("state")
+                return st if state in ("done", "failed") else None
+
+            out["status_b"] = wait_for(restored, 120, "the restored requests to finish")
+            from agent.daemon.api import AgentClient
+
+            with AgentClient(api) as c:
+                out["restore_b"] = c.request("GET", "/restore")
+            # The uninterrupted reference, on the same fresh worker: the same requests from their prompts.
+            out["reference"] = {
+                k: b.client.complete(p, GREEDY, request_id=f"ref-{k}", stream=False).token_ids
+                for k, p in prompts.items()
+            }
+            out["cli_restore_dry_run"] = cli(
+                "restore", final.id, "--repo", url, "--connector-socket", b.control_socket, "--dry-run", "--json"
+            )
+            agent.send_signal(signal.SIGTERM)
+            out["agent_b_exit"] = agent.wait(90)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    return out
+
+
+def _quiet(fn) -> None:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+    except Exception:
+        return
+
+
+def test_periodic_checkpoints_land_and_are_incremental(e2e: dict) -> None:
+    ms = e2e["periodic"]
+    with_traffic = [m for m in ms if m.sizes.blocks > ms[0].sizes.blocks]
+    assert with_traffic, [m.sizes for m in ms]
+    first = with_traffic[0]
+    later = [m for m in ms if m.created > first.created]
+    assert later, "a periodic checkpoint after the one that holds the traffic"
+    # The next one references what the first stored: it writes far fewer bytes.
+    assert later[0].sizes.new_stored_bytes < 0.2 * first.sizes.stored_bytes, (first.sizes, later[0].sizes)
+    assert all(m.labels.get("trigger") == "periodic" for m in ms)
+
+
+def test_sigterm_takes_a_final_checkpoint_with_the_requests_in_flight(e2e: dict) -> None:
+    assert e2e["agent_a_exit"] == 0
+    m = e2e["final"]
+    assert "stop" in m.labels["trigger"].split(",")
+    ids = {e["client_request_id"] for e in m.ledger.data["requests"]}
+    assert ids == {f"cmpl-{k}-0" for k in e2e["prompts"]}
+    log = (e2e["tmp"] / "agent-a.log").read_text().splitlines()
+    records = [json.loads(line) for line in log if line.startswith("{")]
+    assert any(r.get("message") == "final checkpoint saved" for r in records), "structured JSON logs"
+
+
+def test_a_new_agent_restores_warm_and_the_requests_finish_with_the_expected_tokens(e2e: dict) -> None:
+    rep = e2e["restore_b"]
+    assert rep["outcome"] == "warm", rep
+    assert rep["checkpoint"] == e2e["final"].id
+    assert rep["resubmission"]["state"] == "done"
+    results = rep["results"]
+    assert set(results) == {f"cmpl-{k}-0" for k in e2e["prompts"]}
+    for k, ref in e2e["reference"].items():
+        r = results[f"cmpl-{k}-0"]
+        assert r["output_token_ids"] == ref, f"{k} diverged after the restore"
+        assert r["cached_tokens"] == r["prompt_tokens"] - 1, r
+    assert e2e["status_b"]["restore"]["outcome"] == "warm"
+    assert e2e["agent_b_exit"] == 0
+
+
+def test_cli_restore_dry_run_prints_the_plan_as_json(e2e: dict) -> None:
+    r = e2e["cli_restore_dry_run"]
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["warm"] is True
+    assert plan["requests"] == 3
+    assert {x["rule"] for x in plan["results"]} >= {"block_size", "model_digest"}
