@@ -21,7 +21,8 @@ PAGE_SHAPE = (2, 2, 16, 32)  # layers, K/V-ish, tokens, width: 8 KiB of float32
 
 
 class FakeConnector:
-    def __init__(self, sock: Path, stage: Path, *, pages: int = 16) -> None:
+    def __init__(self, sock: Path, stage: Path, *, pages: int = 16, random_pages: bool = False) -> None:
+        self.random_pages = random_pages  # incompressible, all new: a long save
         self.sock = sock
         self.stage = stage
         self.pages = pages
@@ -70,7 +71,10 @@ class FakeConnector:
                 # Pages 0..pages-2 stay the same across captures; the last one changes with the generation.
                 g = self.generation if i == self.pages - 1 else 0
                 seed = (i * 7919 + g * 104729).to_bytes(8, "little")
-                w.write(seed.ljust(32, b"k"), (seed * (size // 8))[:size])
+                if self.random_pages:
+                    w.write(os.urandom(32), os.urandom(size))
+                else:
+                    w.write(seed.ljust(32, b"k"), (seed * (size // 8))[:size])
             idx = w.commit()
             ledger = {
                 "schema": "gpuckpt-vllm-ledger",

@@ -366,3 +366,51 @@ def test_cli_checkpoint_and_status_through_the_agent(rig) -> None:
     r = runner.invoke(app, ["status", "--agent", str(tmp / "nobody.sock"), "--json"])
     assert r.exit_code == 7, r.output
     assert json.loads(r.stdout)["error"]["type"] == "ServiceUnavailable"
+
+
+def test_launch_runs_vllm_serve_as_the_api_server_module_of_its_own_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cli.agent_cmds import vllm_serve_argv
+
+    script = tmp_path / "vllm"
+    script.write_text("#!/opt/venv/bin/python3.11\nimport sys\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    argv = vllm_serve_argv(["vllm", "serve", "meta/llama", "--port", "9000"])
+    assert argv == [
+        "/opt/venv/bin/python3.11",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "meta/llama",
+        "--port",
+        "9000",
+    ]
+    # Anything else is run as given.
+    assert vllm_serve_argv(["python", "-m", "x"]) == ["python", "-m", "x"]
+
+
+def test_launch_refuses_a_command_that_sets_its_own_connector(short_tmp: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    r = CliRunner().invoke(
+        app,
+        [
+            "launch",
+            "--runtime-dir",
+            str(short_tmp),
+            "--repo",
+            str(short_tmp / "repo"),
+            "--",
+            "python",
+            "-m",
+            "x",
+            "--kv-transfer-config",
+            "{}",
+        ],
+    )
+    assert r.exit_code == 2
+    assert "already has --kv-transfer-config" in r.output

@@ -525,7 +525,9 @@ def test_s3_server_goes_away_mid_save(seaweed: Any, tmp_path: Path) -> None:
         # The message names the store, the object and the cause.
         assert f"bucket '{bucket}'" in str(ei.value)
         assert "packs/" in str(ei.value)
-        assert "connect" in str(ei.value).lower()
+        # Refused connections, or a 5xx from the server while it shuts down.
+        msg = str(ei.value).lower()
+        assert "could not connect" in msg or "connect" in msg or "(http 5" in msg, msg
         server.start()
         assert [c.id for c in repo.list()] == [prev.id]
         assert_loads_exact(repo, prev.id, prev_blocks)

@@ -126,8 +126,13 @@ class RestoreConfig(_Section):
 class RetentionConfig(_Section):
     keep_last: int = Field(3, ge=1)
     keep_within: Duration | None = None
-    gc_interval: Duration | None = timedelta(hours=6)
+    gc_interval: Duration | None = Field(timedelta(hours=6), description='"0" turns scheduled gc off')
     gc_grace: Duration = timedelta(hours=1)
+
+    @field_validator("gc_interval")
+    @classmethod
+    def _off(cls, v: timedelta | None) -> timedelta | None:
+        return v if v is not None and v.total_seconds() > 0 else None
 
 
 class AgentConfig(BaseSettings):

@@ -128,6 +128,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
             for i, p in enumerate(convs):
                 a.client.complete(p, {**GREEDY, "max_tokens": 32}, request_id=f"turn1-{i}", stream=False)
             t_traffic = time.monotonic()
+
             def two_more():  # type: ignore[no-untyped-def]
                 infos = repo.list("w0")
                 return infos if len(infos) >= n0 + 2 else None
@@ -161,6 +162,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
         write_config(tmp / "b.toml", url=url, worker=b, api=api, restore=True)
         agent = start_agent(tmp / "b.toml", tmp / "agent-b.log", api)
         try:
+
             def restored():  # type: ignore[no-untyped-def]
                 r = cli("status", "--agent", str(api), "--json")
                 st = json.loads(r.stdout)
@@ -240,3 +242,73 @@ def test_cli_restore_dry_run_prints_the_plan_as_json(e2e: dict) -> None:
     assert plan["warm"] is True
     assert plan["requests"] == 3
     assert {x["rule"] for x in plan["results"]} >= {"block_size", "model_digest"}
+
+
+def test_launch_starts_a_worker_with_the_connector_and_an_agent_beside_it(tiny_llama: Path) -> None:
+    import httpx
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpl-", dir="/tmp"))
+    port = free_port()
+    repo_path = tmp / "repo"
+    log = tmp / "launch.log"
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "launch",
+            "--worker-id",
+            "w1",
+            "--runtime-dir",
+            str(tmp),
+            "--repo",
+            str(repo_path),
+            "--",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+            *ARGS,
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **ENV},
+        start_new_session=True,
+    )
+    try:
+
+        def worker_ready() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                assert p.poll() is None, log.read_text()[-3000:]
+                return False
+
+        wait_for(worker_ready, 180, "the launched worker's API")
+        api = tmp / "w1.sock"
+        r = cli("checkpoint", "--agent", str(api), "--wait", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr + log.read_text()[-3000:]
+        t = json.loads(r.stdout)
+        assert t["state"] == "done"
+        st = json.loads(cli("status", "--agent", str(api), "--json").stdout)
+        assert st["worker"]["attached"] is True
+        assert st["restore"]["outcome"] == "none"  # nothing to restore on a first start
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        else:
+            import contextlib
+
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # the worker, if it outlived launch
+    repo = Repository.open(str(repo_path))
+    ms = [repo.manifest(i.id) for i in repo.list("w1")]
+    assert ms[0].id == t["checkpoint"]
+    assert "stop" in ms[-1].labels["trigger"].split(",")
+    assert ms[-1].canary is not None, "the launched agent knows the worker's API: canary recorded"
