@@ -527,7 +527,7 @@ def test_s3_server_goes_away_mid_save(seaweed: Any, tmp_path: Path) -> None:
         assert "packs/" in str(ei.value)
         # Refused connections, or a 5xx from the server while it shuts down.
         msg = str(ei.value).lower()
-        assert "could not connect" in msg or "connect" in msg or "(http 5" in msg, msg
+        assert "connect" in msg or "(http 5" in msg, msg
         server.start()
         assert [c.id for c in repo.list()] == [prev.id]
         assert_loads_exact(repo, prev.id, prev_blocks)
