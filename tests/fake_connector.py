@@ -37,9 +37,23 @@ class FakeConnector:
         self._server.close()
 
     def facts(self) -> dict[str, Any]:
-        return WorkerFacts(engine="vllm", engine_version="0.32.0", block_size=16, kv_dtype="float32").model_dump(
-            mode="json"
-        )
+        return WorkerFacts(
+            engine="vllm",
+            engine_version="0.32.0",
+            attention_backend="FAKE",
+            kv_layout="fake:[blocks,layers]",
+            block_size=16,
+            kv_dtype="float32",
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            rank=0,
+            model="/models/fake",
+            model_revision="r1",
+            model_digest="sha256:" + "ab" * 32,
+            tokenizer_digest="sha256:" + "cd" * 32,
+            prefix_hash_algo="sha256",
+            prefix_hash_seed="0",
+        ).model_dump(mode="json")
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         cmd = req.get("cmd")

@@ -414,3 +414,31 @@ def test_launch_refuses_a_command_that_sets_its_own_connector(short_tmp: Path) -
     )
     assert r.exit_code == 2
     assert "already has --kv-transfer-config" in r.output
+
+
+def test_restore_dry_run_prints_the_compatibility_table_and_exits_5_when_refused(rig) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    tmp, fake, start = rig
+    a = start()
+    t = a.request_checkpoint("request")
+    assert t.done.wait(20)
+    runner = CliRunner()
+    args = ["restore", t.checkpoint, "--repo", str(tmp / "repo"), "--connector-socket", str(tmp / "conn.sock")]
+    r = runner.invoke(app, [*args, "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["warm"] is True
+    assert plan["blocks"] == 16
+    # The new worker runs another block size: refused, naming the rule and both values.
+    fake.facts = lambda: {**FakeConnector.facts(fake), "block_size": 32}  # type: ignore[method-assign]
+    r = runner.invoke(app, [*args, "--dry-run", "--json"])
+    assert r.exit_code == 5, r.output
+    plan = json.loads(r.stdout)
+    assert plan["warm"] is False
+    assert any("block_size" in x and "16" in x and "32" in x for x in plan["reasons"]), plan["reasons"]
+    r = runner.invoke(app, [*args, "--dry-run"])
+    assert r.exit_code == 5
+    assert "cold: replay the ledger" in r.output

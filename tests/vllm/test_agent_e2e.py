@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -122,20 +123,20 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
         write_config(tmp / "a.toml", url=url, worker=a, api=api, restore=False)
         agent = start_agent(tmp / "a.toml", tmp / "agent-a.log", api)
         try:
-            n0 = len(wait_for(lambda: repo.list("w0"), 30, "a first periodic checkpoint"))
+            idle = wait_for(lambda: repo.list("w0"), 30, "a first periodic checkpoint")
             # Traffic: three conversations' first turns; the next periodic checkpoint holds them.
             convs = [system + [rng.randrange(3, 512) for _ in range(150 + 20 * i)] for i in range(3)]
             for i, p in enumerate(convs):
                 a.client.complete(p, {**GREEDY, "max_tokens": 32}, request_id=f"turn1-{i}", stream=False)
-            t_traffic = time.monotonic()
+            done_at = datetime.now(UTC)
 
-            def two_more():  # type: ignore[no-untyped-def]
-                infos = repo.list("w0")
-                return infos if len(infos) >= n0 + 2 else None
+            def two_after():  # type: ignore[no-untyped-def]
+                infos = [i for i in repo.list("w0") if i.created > done_at]
+                return infos if len(infos) >= 2 else None
 
-            ids = wait_for(two_more, 60, "two periodic checkpoints after the traffic")
-            out["periodic"] = [repo.manifest(i.id) for i in ids]
-            out["traffic_s"] = time.monotonic() - t_traffic
+            out["idle"] = repo.manifest(idle[0].id)
+            after = wait_for(two_after, 60, "two checkpoints after the traffic")
+            out["periodic"] = [repo.manifest(i.id) for i in after]
             # In flight at SIGTERM.
             prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 30 * i)] for i in range(3)}
             threads = [
@@ -198,15 +199,14 @@ def _quiet(fn) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_periodic_checkpoints_land_and_are_incremental(e2e: dict) -> None:
-    ms = e2e["periodic"]
-    with_traffic = [m for m in ms if m.sizes.blocks > ms[0].sizes.blocks]
-    assert with_traffic, [m.sizes for m in ms]
-    first = with_traffic[0]
-    later = [m for m in ms if m.created > first.created]
-    assert later, "a periodic checkpoint after the one that holds the traffic"
-    # The next one references what the first stored: it writes far fewer bytes.
-    assert later[0].sizes.new_stored_bytes < 0.2 * first.sizes.stored_bytes, (first.sizes, later[0].sizes)
-    assert all(m.labels.get("trigger") == "periodic" for m in ms)
+    first, second = e2e["periodic"][:2]
+    assert all(m.labels.get("trigger") == "periodic" for m in (e2e["idle"], first, second))
+    # Both hold the three conversations' KV (far more than the idle worker's canary block)...
+    assert first.sizes.blocks >= e2e["idle"].sizes.blocks + 12, (e2e["idle"].sizes, first.sizes)
+    assert second.sizes.blocks >= first.sizes.blocks
+    # ...and the second references what is already stored: it writes far fewer bytes.
+    assert second.sizes.new_stored_bytes < 0.2 * second.sizes.stored_bytes, second.sizes
+    assert second.parent == first.id
 
 
 def test_sigterm_takes_a_final_checkpoint_with_the_requests_in_flight(e2e: dict) -> None:
