@@ -46,7 +46,7 @@ from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, w
 
 from agent.engines.vllm import driver
 from agent.engines.vllm.serve import Completion, ServeProcess
-from ckpt import Repository
+from ckpt import Repository, host_facts
 
 MODELS = {
     # Like the reference: 2 layers, 88M parameters, 4 KV heads x 64, bf16: 2 KiB of KV per token.
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
+    host_facts()  # probed once up front, as the agent does (the first probe imports torch)
     work = Path(a.workdir).resolve()
     tmp = Path(tempfile.mkdtemp(prefix="gpuckpt-vllm-bench-"))
     os.chmod(tmp, 0o700)
