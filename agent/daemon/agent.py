@@ -19,7 +19,6 @@ exits (the previous checkpoint stays the newest good one).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -30,13 +29,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from agent.daemon.config import AgentConfig
 from agent.daemon.metrics import Metrics
 from agent.daemon.notify import Notifier
-from ckpt import GpuckptError, KeySource, ObjectNotFound, Policy, Repository
+from ckpt import GpuckptError, KeySource, ObjectNotFound, OperationAborted, Policy, Repository
 from ckpt.save import SaveProgress
 
 log = logging.getLogger("gpuckpt.agent")
@@ -268,7 +266,7 @@ class Agent:
             )
         except Exception as exc:  # every failure is reported, none kills the agent
             t.state, t.error = "failed", _describe(exc)
-            outcome = "abandoned" if type(exc).__name__ == "OperationAborted" else "failed"
+            outcome = "abandoned" if isinstance(exc, OperationAborted) else "failed"
             self.metrics.checkpoints.labels(trigger=trigger, outcome=outcome).inc()
             self.last_error = {"at": _now(), "operation": "checkpoint", "ticket": t.id, "error": t.error}
             self._note_worker(exc)
@@ -323,7 +321,7 @@ class Agent:
             log.warning("retention failed", extra={"error": _describe(exc)})
 
     def _note_worker(self, exc: BaseException) -> None:
-        if isinstance(exc, (ConnectionError, FileNotFoundError, TimeoutError, OSError)):
+        if isinstance(exc, OSError):  # the connector socket: refused, missing, timed out
             self.worker.update(attached=False, error=_describe(exc))
 
     # -- scheduler: periodic, preemption notices, gc ------------------------------------------
@@ -545,9 +543,4 @@ def _jsonable(obj: Any) -> Any:
         return str(obj)
 
 
-def state_path(base: Path, name: str) -> Path:
-    base.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return base / name
-
-
-__all__ = ["Agent", "Ticket", "TRIGGERS", "contextlib"]
+__all__ = ["TRIGGERS", "Agent", "Ticket"]

@@ -27,7 +27,7 @@ import pytest
 from agent.engines.vllm import driver
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
-from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port
+from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port, serve_worker
 
 pytestmark = pytest.mark.slow
 
@@ -104,15 +104,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
     system = [rng.randrange(3, 512) for _ in range(64)]
 
     def worker(name: str) -> ServeProcess:
-        w = ServeProcess(
-            str(tiny_llama),
-            str(tmp / f"{name}.sock"),
-            port=free_port(),
-            log_path=str(tmp / f"{name}.log"),
-            staging_dir=str(tmp / f"stage-{name}"),
-            args=ARGS,
-            env=ENV,
-        )
+        w = serve_worker(tiny_llama, tmp, name)
         w.wait_ready()
         return w
 

@@ -50,6 +50,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def serve_worker(model: Path, tmp: Path, name: str) -> ServeProcess:
+    """A test worker (not yet ready) whose socket, log and staging are named after ``name`` in ``tmp``."""
+    return ServeProcess(
+        str(model),
+        str(tmp / f"{name}.sock"),
+        port=free_port(),
+        log_path=str(tmp / f"{name}.log"),
+        staging_dir=str(tmp / f"stage-{name}"),
+        args=ARGS,
+        env=ENV,
+    )
+
+
 @pytest.fixture(scope="module")
 def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-serve")
@@ -61,15 +74,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     sampling = {k: (SEEDED if k == "seeded" else GREEDY) for k in prompts}
 
     def worker(name: str) -> ServeProcess:
-        return ServeProcess(
-            str(tiny_llama),
-            str(tmp / f"{name}.sock"),
-            port=free_port(),
-            log_path=str(tmp / f"{name}.log"),
-            staging_dir=str(tmp / f"stage-{name}"),
-            args=ARGS,
-            env=ENV,
-        )
+        return serve_worker(tiny_llama, tmp, name)
 
     out: dict = {"prompts": prompts}
     with worker("a") as a:

@@ -43,33 +43,13 @@ from typing import Any
 import httpx
 
 from agent.engines.base import Resubmission
+from agent.engines.vllm.ledger import SAMPLING_FIELDS
 
 CONNECTOR = "GpuckptConnector"
 
-# Sampling fields of the ledger that the completions endpoint takes under the same name.
-_BODY_FIELDS = (
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-)
+# The ledger's sampling fields all have a completions-body field of the same
+# name; "n" is not sent (each ledger entry is one choice, resubmitted alone).
+_BODY_FIELDS = tuple(f for f in SAMPLING_FIELDS if f != "n")
 
 _CMPL_ID = re.compile(r"^cmpl-(?P<base>.+)-(?P<choice>\d+)$")
 
