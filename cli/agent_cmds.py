@@ -123,16 +123,14 @@ def checkpoint_cmd(
         t = _call(c, "POST", "/checkpoint", {"trigger": "drain" if drain else "request"})
         if wait:
             t = _wait_ticket(c, t, show=not json_)
+    if t["state"] == "failed":  # one line (or, with --json, one JSON error document) from the handler
+        raise ckpt.GpuckptError(f"checkpoint failed (ticket {t['id']}): {t['error']}")
     if json_:
         typer.echo(json.dumps(t))
     elif t["state"] == "done":
         typer.echo(f"checkpoint {t['checkpoint']} saved (ticket {t['id']}, triggers {', '.join(t['triggers'])})")
-    elif t["state"] == "failed":
-        pass
     else:
         typer.echo(f"checkpoint ticket {t['id']} {t['state']}; `gpuckpt status` shows its progress")
-    if t["state"] == "failed":
-        raise ckpt.GpuckptError(f"checkpoint failed: {t['error']}")
 
 
 def _wait_ticket(c: Any, t: dict[str, Any], *, show: bool) -> dict[str, Any]:

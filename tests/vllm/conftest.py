@@ -36,7 +36,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=4096,
         torch_dtype="float32",
         bos_token_id=1,
         eos_token_id=2,

@@ -30,6 +30,7 @@ from ckpt import Repository
 from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port, serve_worker
 
 pytestmark = pytest.mark.slow
+LONG = {**GREEDY, "max_tokens": 3000}
 
 
 def write_config(path: Path, *, url: str, worker: ServeProcess, api: Path, restore: bool) -> None:
@@ -99,12 +100,14 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
     tmp = Path(tempfile.mkdtemp(prefix="gpe2e-", dir="/tmp"))
     bucket = seaweed.make_bucket(f"e2e-{uuid.uuid4().hex[:10]}")
     url = f"s3://{bucket}/repo?endpoint={seaweed.endpoint}"
-    out: dict = {"tmp": tmp}
+    out: dict = {"tmp": tmp, "url": url}
     rng = random.Random(3)
     system = [rng.randrange(3, 512) for _ in range(64)]
 
     def worker(name: str) -> ServeProcess:
-        w = serve_worker(tiny_llama, tmp, name)
+        # A longer context than test_serve's: the requests in flight at SIGTERM must
+        # still be decoding when the final checkpoint (maybe after a periodic one) captures.
+        w = serve_worker(tiny_llama, tmp, name, [*ARGS, "--max-model-len", "4096"])
         w.wait_ready()
         return w
 
@@ -133,7 +136,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
             prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 30 * i)] for i in range(3)}
             threads = [
                 threading.Thread(
-                    target=lambda k=k: _quiet(lambda: a.client.complete(prompts[k], GREEDY, request_id=k, stream=False))
+                    target=lambda k=k: _quiet(lambda: a.client.complete(prompts[k], LONG, request_id=k, stream=False))
                 )
                 for k in prompts
             ]
@@ -169,12 +172,17 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
                 out["restore_b"] = c.request("GET", "/restore")
             # The uninterrupted reference, on the same fresh worker: the same requests from their prompts.
             out["reference"] = {
-                k: b.client.complete(p, GREEDY, request_id=f"ref-{k}", stream=False).token_ids
+                k: b.client.complete(p, LONG, request_id=f"ref-{k}", stream=False).token_ids
                 for k, p in prompts.items()
             }
             out["cli_restore_dry_run"] = cli(
                 "restore", final.id, "--repo", url, "--connector-socket", b.control_socket, "--dry-run", "--json"
             )
+            # The worker dies under its agent: checkpoints fail and say why, the agent stays up.
+            b.kill()
+            out["killed_at"] = datetime.now(UTC)
+            out["checkpoint_dead_worker"] = cli("checkpoint", "--agent", str(api), "--wait", "--json")
+            out["status_dead_worker"] = json.loads(cli("status", "--agent", str(api), "--json").stdout)
             agent.send_signal(signal.SIGTERM)
             out["agent_b_exit"] = agent.wait(90)
         finally:
@@ -225,6 +233,24 @@ def test_a_new_agent_restores_warm_and_the_requests_finish_with_the_expected_tok
         assert r["cached_tokens"] == r["prompt_tokens"] - 1, r
     assert e2e["status_b"]["restore"]["outcome"] == "warm"
     assert e2e["agent_b_exit"] == 0
+
+
+def test_a_dead_worker_fails_checkpoints_cleanly_and_the_agent_stays_up(e2e: dict) -> None:
+    r = e2e["checkpoint_dead_worker"]
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = json.loads(r.stdout)["error"]["message"]
+    assert "checkpoint failed" in err
+    st = e2e["status_dead_worker"]
+    assert st["state"] == "ready"
+    assert st["worker"]["attached"] is False
+    assert st["last_error"]["operation"] == "checkpoint"
+    # Nothing half-written became visible; the earlier checkpoints are intact and the newest loads.
+    repo = Repository.open(e2e["url"])
+    infos = repo.list("w0")
+    assert all(i.created <= e2e["killed_at"] for i in infos), "no checkpoint landed after the worker died"
+    m = repo.manifest(infos[-1].id)
+    assert sum(1 for _ in repo.load(m)) == len(m.blocks)
+    assert e2e["agent_b_exit"] == 0, "SIGTERM with the worker gone: the final checkpoint fails, the agent still exits"
 
 
 def test_cli_restore_dry_run_prints_the_plan_as_json(e2e: dict) -> None:

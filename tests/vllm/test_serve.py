@@ -50,7 +50,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_worker(model: Path, tmp: Path, name: str) -> ServeProcess:
+def serve_worker(model: Path, tmp: Path, name: str, args: list[str] = ARGS) -> ServeProcess:
     """A test worker (not yet ready) whose socket, log and staging are named after ``name`` in ``tmp``."""
     return ServeProcess(
         str(model),
@@ -58,7 +58,7 @@ def serve_worker(model: Path, tmp: Path, name: str) -> ServeProcess:
         port=free_port(),
         log_path=str(tmp / f"{name}.log"),
         staging_dir=str(tmp / f"stage-{name}"),
-        args=ARGS,
+        args=args,
         env=ENV,
     )
 
