@@ -29,7 +29,6 @@ material. Usage errors are typer's own (exit 2).
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +47,7 @@ from typer import _click
 from typer.core import TyperGroup
 
 import ckpt
+from agent.daemon.config import parse_duration
 from ckpt.compat import Policy, Verdict, decide
 from ckpt.logfmt import JsonFormatter, TextFormatter
 from ckpt.manifest import Manifest
@@ -127,21 +127,15 @@ KeyOpt = Annotated[
 
 
 def _duration(value: str | timedelta) -> timedelta:
-    """Parse ``30s``, ``10m``, ``1h``, ``7d``, ``2w``, ``1h30m`` (or ``0``)."""
+    """Parse ``30s``, ``10m``, ``1h``, ``7d``, ``2w``, ``1h30m`` (or ``0``): the agent configuration's syntax."""
     if isinstance(value, timedelta):  # a default, already parsed
         return value
-    text = value.strip().lower()
-    if text == "0":
-        return timedelta(0)
-    if not text or not re.fullmatch(r"(\d+[smhdw])+", text):
+    try:
+        return parse_duration(value)
+    except ValueError:
         raise typer.BadParameter(
             f"invalid duration {value!r}: use a number and a unit (s, m, h, d, w), e.g. 30s, 10m, 1h, 7d, 1h30m"
-        )
-    unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-    total = timedelta(0)
-    for number, u in re.findall(r"(\d+)([smhdw])", text):
-        total += timedelta(**{unit[u]: int(number)})
-    return total
+        ) from None
 
 
 def _settings(ctx: typer.Context) -> _Settings:
