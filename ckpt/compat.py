@@ -180,9 +180,15 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
     "kv_layout": "Shape and order of the KV cache tensors.",
     "block_size": "Tokens per KV block.",
     "kv_dtype": "Element type of the KV cache.",
-    "tensor_parallel_size": "Tensor-parallel size: each rank holds a slice of the KV heads.",
+    "num_kv_heads": "KV heads of the model in all: a stored page holds every one of them.",
+    "head_size": "Elements per head and token: the bytes of one head's slice of a page.",
+    "model_runner": "Model runner: what a request's carried sampler state means.",
+    "tensor_parallel_size": (
+        "Tensor-parallel size. Recorded, not compared: stored pages hold every KV head, "
+        "and each rank of the restoring worker loads its own (resharding)."
+    ),
     "pipeline_parallel_size": "Pipeline-parallel size: each stage holds a slice of the layers.",
-    "rank": "This worker's rank: which slice of the KV it holds.",
+    "rank": "The rank that described the worker. Recorded, not compared (see tensor_parallel_size).",
     "model": (
         "Model path or name as given to the engine. Advisory: the same model may live "
         "at different paths, and a path may hold different weights; model_digest is "
@@ -197,8 +203,17 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
 
 for _name, _description in _HOST_RULES.items():
     register(Rule(_name, _description, _host(_name)))
+def recorded_only(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
+    """For facts kept for the record that a restore adapts to (tensor-parallel size and rank)."""
+    if recorded == current:
+        return Verdict.MATCH, ""
+    return Verdict.MATCH, "differs; pages are resharded on restore"
+
+
+_RECORDED_ONLY: Final = frozenset({"tensor_parallel_size", "rank"})
+
 for _name, _description in _WORKER_RULES.items():
-    register(Rule(_name, _description, _worker(_name)))
+    register(Rule(_name, _description, _worker(_name), recorded_only if _name in _RECORDED_ONLY else equality))
 
 # Every pinned fact must have its rule: a fact added to the models without one
 # would be recorded but never checked.

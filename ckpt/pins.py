@@ -97,10 +97,18 @@ class WorkerFacts(BaseModel):
     """Tokens per KV block."""
     kv_dtype: str | None = None
     """e.g. ``"bfloat16"``, ``"fp8_e4m3"``."""
+    num_kv_heads: _Positive | None = None
+    """The model's KV heads in all (not one rank's share; MLA: 1)."""
+    head_size: _Positive | None = None
+    """Elements of one head's key per token."""
+    model_runner: str | None = None
+    """The engine's model runner, when it changes what request state means (vLLM: ``"v1"`` keeps a
+    ``torch.Generator`` per seeded request, ``"v2"`` samples statelessly)."""
     tensor_parallel_size: _Positive | None = None
+    """Recorded, not compared: stored pages hold every KV head and restore into any TP size."""
     pipeline_parallel_size: _Positive | None = None
     rank: _NonNegative | None = None
-    """This worker's rank within its parallel group."""
+    """The rank that answered for the worker (recorded, not compared; each rank's part is in the layout)."""
     model: str | None = None
     """The path or name the engine was given. Advisory: ``model_digest`` proves identity."""
     model_revision: str | None = None

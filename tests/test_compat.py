@@ -42,6 +42,9 @@ WORKER_RULES = [
     "kv_layout",
     "block_size",
     "kv_dtype",
+    "num_kv_heads",
+    "head_size",
+    "model_runner",
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "rank",
@@ -54,6 +57,10 @@ WORKER_RULES = [
 ]
 ALL_RULES = HOST_RULES + WORKER_RULES
 STR_RULES = [r for r in ALL_RULES if r not in INT_FIELDS]
+# Recorded for the record, never a reason to refuse: stored pages hold every
+# KV head and are resharded into the restoring worker's TP size.
+RECORDED_ONLY = ["tensor_parallel_size", "rank"]
+COMPARED_RULES = [r for r in ALL_RULES if r not in RECORDED_ONLY]
 
 BASE: dict[str, Any] = {
     "gpu_product": "NVIDIA H100 80GB HBM3",
@@ -71,6 +78,9 @@ BASE: dict[str, Any] = {
     "kv_layout": "[num_blocks,kv_heads,block_size,hk+hv]",
     "block_size": 16,
     "kv_dtype": "bfloat16",
+    "num_kv_heads": 8,
+    "head_size": 128,
+    "model_runner": "v2",
     "tensor_parallel_size": 8,
     "pipeline_parallel_size": 1,
     "rank": 0,
@@ -136,7 +146,7 @@ def test_rule_match(rule: str) -> None:
     assert r.recorded == r.current == BASE[rule]
 
 
-@pytest.mark.parametrize("rule", ALL_RULES)
+@pytest.mark.parametrize("rule", COMPARED_RULES)
 def test_rule_mismatch(rule: str) -> None:
     r = result_of(rule, pins(), pins(**{rule: OTHER[rule]}))
     assert r.verdict is Verdict.MISMATCH
@@ -146,7 +156,25 @@ def test_rule_mismatch(rule: str) -> None:
     assert all(x.verdict is Verdict.MATCH for x in others)
 
 
-@pytest.mark.parametrize("rule", ALL_RULES)
+@pytest.mark.parametrize("rule", RECORDED_ONLY)
+@pytest.mark.parametrize("other", ["other", None])
+def test_tensor_parallel_size_and_rank_are_recorded_not_compared(rule: str, other: str | None) -> None:
+    r = result_of(rule, pins(), pins(**{rule: OTHER[rule] if other else None}))
+    assert r.verdict is Verdict.MATCH
+    assert "resharded" in r.detail
+    assert decide(pins(), pins(**{rule: OTHER[rule]})).warm
+
+
+def test_what_resharding_needs_is_compared() -> None:
+    """Total KV heads and head size decide whether a page's heads mean the same; they refuse, naming both."""
+    d = decide(pins(), pins(num_kv_heads=4, tensor_parallel_size=2))
+    assert not d.warm
+    assert d.reasons == ["num_kv_heads: mismatch (checkpoint 8, here 4)"]
+    d = decide(pins(), pins(head_size=64))
+    assert d.reasons == ["head_size: mismatch (checkpoint 128, here 64)"]
+
+
+@pytest.mark.parametrize("rule", COMPARED_RULES)
 @pytest.mark.parametrize(("recorded", "current"), [(None, "base"), ("base", None), (None, None)])
 def test_rule_unknown(rule: str, recorded: str | None, current: str | None) -> None:
     old = pins(**{rule: None if recorded is None else BASE[rule]})
@@ -207,12 +235,12 @@ def test_a_mismatch_refuses_naming_the_rule_and_both_values() -> None:
 
 
 def test_every_refusing_rule_is_reported() -> None:
-    decision = decide(pins(), pins(gpu_product="NVIDIA A100-SXM4-80GB", block_size=32, rank=None))
+    decision = decide(pins(), pins(gpu_product="NVIDIA A100-SXM4-80GB", block_size=32, model_digest=None))
     assert not decision.warm
     assert decision.reasons == [
         "gpu_product: mismatch (checkpoint NVIDIA H100 80GB HBM3, here NVIDIA A100-SXM4-80GB)",
         "block_size: mismatch (checkpoint 16, here 32)",
-        "rank: unknown (checkpoint 0, here unknown)",
+        f"model_digest: unknown (checkpoint {BASE['model_digest']}, here unknown)",
     ]
 
 

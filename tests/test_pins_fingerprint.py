@@ -28,6 +28,8 @@ from ckpt.pins import ABSENT, HostFacts, Pins, WorkerFacts
 INT_FIELDS = {
     "gpu_count": 0,
     "block_size": 1,
+    "num_kv_heads": 1,
+    "head_size": 1,
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "rank": 0,

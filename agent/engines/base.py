@@ -71,7 +71,10 @@ class Resubmission:
     checkpoint; ``sampling`` carries the original parameters (JSON) with the
     budget already reduced by those outputs. ``output_token_ids`` are the
     outputs so far, so a caller can present prior + new outputs under
-    ``request_id`` (the client's original id).
+    ``request_id`` (the client's original id). ``exact`` is false when the
+    request cannot continue from the exact next token (``reasons`` say why):
+    it is then a cold replay of that request, whatever the plan's warmth.
+    ``sampling`` may hold ``structured_outputs`` (the constraint, as JSON).
     """
 
     request_id: str
@@ -81,6 +84,8 @@ class Resubmission:
     sampling: dict[str, Any]
     priority: int = 0
     cache_salt: str | None = None
+    exact: bool = True
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def run_worker(args: dict, tmp: Path, *, kill_after_result: bool = False, timeou
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if args.get("tp", 1) > 1 else "0",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONHASHSEED": "0",
     }
@@ -91,3 +91,42 @@ def run_worker(args: dict, tmp: Path, *, kill_after_result: bool = False, timeou
             f"worker {args['mode']} exited {p.returncode} without a result:\n" + Path(log.name).read_text()[-4000:]
         )
     return json.loads(result.read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with a tokenizer (byte-level BPE generated with ``tokenizers``):
+    for requests that need text, such as structured outputs."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama-text")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = ['{"name": "alpha", "items": ["beta", "gamma"], "count": 12}', "the quick brown fox jumps"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return path

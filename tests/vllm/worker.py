@@ -35,7 +35,8 @@ def make_llm(a: dict):
     t0 = time.monotonic()
     llm = LLM(
         model=a["model"],
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not a.get("tokenizer"),
+        tensor_parallel_size=a.get("tp", 1),
         enforce_eager=True,
         dtype="float32",
         block_size=a.get("block_size", 32),
@@ -53,7 +54,12 @@ def kv_config(a: dict) -> dict:
     cfg = {
         "kv_connector": "GpuckptConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"control_socket": a["socket"], "staging_dir": a["staging"]},
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "control_socket": a["socket"],
+            "staging_dir": a["staging"],
+            "inject_faults": a.get("inject_faults", []),
+        },
     }
     if not a.get("by_name"):
         # Without it, vLLM resolves the name through gpuckpt's installed
@@ -97,6 +103,101 @@ def make_generate(llm, outs: dict, *, fault: bool = False):
     return generate
 
 
+WORDS = "(alpha|beta|gamma|delta)"
+REGEX = f"{WORDS}(,{WORDS}){{59}}"
+SCHEMA = {
+    "type": "array",
+    "items": {"type": "string", "enum": ["alpha", "beta", "gamma", "delta"]},
+    "minItems": 40,
+    "maxItems": 40,
+}
+
+
+def mixed(a: dict, llm, repo, res: dict) -> None:
+    """Requests with state beyond their tokens in flight beside greedy ones, checkpointed mid-decode;
+    then the same engine finishes them (the reference) and keeps serving."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from agent.engines.vllm import driver
+
+    eng = llm.llm_engine
+    rng = random.Random(11)
+    greedy = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
+    params = {
+        "greedy0": SamplingParams(**greedy),
+        "penalised0": SamplingParams(**greedy, frequency_penalty=0.8, presence_penalty=0.5),
+        "penalised1": SamplingParams(
+            **greedy, repetition_penalty=1.3, bad_words=["alpha", "fox"], logit_bias={7: -4.0}, min_tokens=200
+        ),
+        "regex0": SamplingParams(
+            temperature=0.0, max_tokens=400, structured_outputs=StructuredOutputsParams(regex=REGEX)
+        ),
+        "json0": SamplingParams(
+            temperature=0.0,
+            max_tokens=400,
+            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+        ),
+    }
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = {rid: system + [rng.randrange(3, 500) for _ in range(30 + 11 * i)] for i, rid in enumerate(params)}
+    for rid, sp in params.items():
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=prompts[rid]), sp)
+    outs: dict = {}
+    drain(llm, outs, until=lambda o: len(o) == len(params) and min(len(v["tokens"]) for v in o.values()) >= 30)
+    m = driver.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
+    res["checkpoint"] = m.id
+    res["ledger"] = {
+        e["client_request_id"]: {
+            "outputs": len(e["output_token_ids"]),
+            "exact": e["exact"],
+            "inexact_reasons": e["inexact_reasons"],
+            "structured_outputs": e["structured_outputs"],
+        }
+        for e in m.ledger.data["requests"]
+    }
+    drain(llm, outs)
+    res["reference"] = {rid: prompts[rid] + outs[rid]["tokens"] for rid in prompts}
+    res["prompt_lens"] = {rid: len(p) for rid, p in prompts.items()}
+    # the first worker keeps serving after the checkpoint
+    outs = {}
+    after = SamplingParams(**{**greedy, "max_tokens": 16})
+    eng.add_request("after0", TokensPrompt(prompt_token_ids=[*system, 9, 8, 7]), after)
+    drain(llm, outs)
+    res["after"] = len(outs["after0"]["tokens"])
+
+
+def faults(a: dict, llm, res: dict) -> None:
+    """Every connector hook fails: the engine must still complete every request, and a capture
+    must come back as a named error."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from agent.engines.vllm import driver
+
+    eng = llm.llm_engine
+    rng = random.Random(5)
+    prompts = {f"f{i}": [rng.randrange(3, 500) for _ in range(70 + 9 * i)] for i in range(3)}
+    for rid, toks in prompts.items():
+        sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp)
+    outs: dict = {}
+    drain(llm, outs, until=lambda o: len(o) == 3 and min(len(v["tokens"]) for v in o.values()) >= 10)
+    try:
+        driver.capture(a["socket"], timeout=5)
+        res["capture_error"] = None
+    except Exception as exc:
+        res["capture_error"] = f"{type(exc).__name__}: {exc}"
+    drain(llm, outs)
+    res["completed"] = {rid: len(v["tokens"]) for rid, v in outs.items() if v["finished"]}
+    res["stats"] = driver.stats(a["socket"])
+
+
 def main() -> None:
     a = json.loads(sys.argv[1])
     from vllm import SamplingParams
@@ -111,7 +212,11 @@ def main() -> None:
     repo = Repository.open(a["repo"], create=True)
     res: dict = {"engine_start_s": start_s}
     sp = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    if a["mode"] == "checkpoint":
+    if a["mode"] == "mixed":
+        mixed(a, llm, repo, res)
+    elif a["mode"] == "faults":
+        faults(a, llm, res)
+    elif a["mode"] == "checkpoint":
         import random
 
         rng = random.Random(7)
@@ -185,6 +290,11 @@ def main() -> None:
             rid: {"prompt_len": v["prompt_len"], "num_cached_tokens": v["num_cached_tokens"]} for rid, v in outs.items()
         }
         res["connector"] = driver.stats(a["socket"])
+        res["extra_restores"] = {}
+        for ref in a.get("extra_restores", []):
+            plan = driver.restore(repo, ref, a["socket"], staging_dir=a["staging"])
+            res["extra_restores"][ref] = {"warm": plan.warm, "reasons": plan.reasons}
+            driver.control.call(a["socket"], "withdraw")
         if a.get("canary_fault"):
             import dataclasses
 

@@ -52,14 +52,36 @@ schedule of that request sends it to the worker, which ``set_state``s it in
 ``start_load_kv`` (after the runner seeded the new generator, before the
 first sample).
 
-Limits of this slice: one KV cache group, a layer tensor whose first
-dimension is the block id (vLLM's CPU layout), a single worker (TP = PP = 1),
-copies are synchronous.
+Tensor parallelism: each rank's worker half holds its shard of the KV heads
+(rank ``r`` of ``tp`` holds heads ``[r·H//tp, r·H//tp + max(1, H//tp))`` of
+the model's ``H``; MLA's single latent head is replicated). At a capture every
+rank copies its own shard into its own page file (``<name>-r<rank>``); the
+worker metadata of the ranks is merged (:meth:`GpuckptWorkerMeta.aggregate`)
+and the control call is answered only when every rank has reported, with one
+shard per rank. The agent joins the shards into TP-independent pages (all
+``H`` heads, see :mod:`agent.engines.vllm.shards`); on restore every rank
+loads its own heads out of those pages, whatever TP size wrote them.
+
+Never harm the worker: every hook runs under :func:`_hook`, which turns any
+exception into a log line and the hook's safe answer (no external hit, no
+delayed free, loads reported as load errors so those blocks recompute, a
+capture answered with the error). ``kv_connector_extra_config["inject_faults"]``
+names hooks to fail on purpose (the fault-injection tests).
+
+Request state on restore: the offer carries, per client request id, what a
+resubmitted request needs beyond its tokens (see :mod:`.ledger`): the seeded
+generator state, the earlier outputs for penalties and bad words (the worker
+puts them in front of the request's outputs in the sampler's view), and for
+structured outputs the earlier outputs to advance the new grammar by.
+
+Limits: one KV cache group, PP = 1 (a PP > 1 worker answers every capture
+with an error).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import logging
 import os
@@ -67,8 +89,9 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -80,7 +103,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent.engines.vllm import control, staging
 from agent.engines.vllm.copier import Gathered, PageCopier
-from agent.engines.vllm.ledger import client_id, make_ledger, request_entry
+from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
+from agent.engines.vllm.shards import Heads, full_shape, local_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,23 +150,67 @@ class GpuckptMeta(KVConnectorMetadata):
     tails: list[tuple[str, int, str]] = field(default_factory=list)
     tail_drop: list[str] = field(default_factory=list)
     generators: list[tuple[str, str]] = field(default_factory=list)
+    priors: list[tuple[str, list[int]]] = field(default_factory=list)
+    fail_loads: list[int] = field(default_factory=list)
 
 
 @dataclass
 class GpuckptWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker → scheduler: captures finished this step, ``seq → {"index", "error", "copy_s", "bytes"}``."""
+    """Worker → scheduler: each rank's captures finished this step,
+    ``seq → {rank → {"index", "error", "copy_s", "bytes", …}}``."""
 
-    done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    done: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, GpuckptWorkerMeta)
-        merged = dict(self.done)
-        for seq, d in other.done.items():
-            if seq in merged and d.get("error"):
-                merged[seq] = {**merged[seq], "error": d["error"]}
-            else:
-                merged.setdefault(seq, d)
+        """Merge another rank's reports (vLLM folds the ranks in rank order); no rank's report is dropped."""
+        if not isinstance(other, GpuckptWorkerMeta):
+            return self
+        merged = {seq: dict(parts) for seq, parts in self.done.items()}
+        for seq, parts in other.done.items():
+            merged.setdefault(seq, {}).update(parts)
         return GpuckptWorkerMeta(merged)
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a hook named in ``inject_faults`` (tests of the hooks' guards)."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _hook(recover: Callable[..., Any]) -> Callable[[_F], _F]:
+    """Run a connector hook so that nothing it raises reaches vLLM.
+
+    On an exception (or an injected fault) the failure is logged and
+    ``recover(self, *args, **kwargs)`` gives the hook's safe answer.
+    ``recover`` itself must not raise; if it does, ``None`` is returned.
+    """
+
+    def deco(fn: _F) -> _F:
+        name = fn.__name__
+
+        @functools.wraps(fn)
+        def wrapper(self: GpuckptConnector, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if name in self._faults:
+                    raise InjectedFault(f"injected fault in {name}")
+                return fn(self, *args, **kwargs)
+            except Exception:
+                log.exception("gpuckpt: %s failed; the engine goes on without it", name)
+                self._hook_failures[name] = self._hook_failures.get(name, 0) + 1
+                try:
+                    return recover(self, *args, **kwargs)
+                except Exception:
+                    log.exception("gpuckpt: recovering from a failed %s failed", name)
+                    return None
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
+def _nothing(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
 
 
 @dataclass
@@ -152,12 +220,55 @@ class _Waiter:
     requested: float = field(default_factory=time.monotonic)
 
 
+def _check_states(raw: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Offered request states that can be applied, and why the others cannot (by client id).
+
+    A state is dropped whole when any part is malformed: that request then
+    replays as a plain resubmission, and nothing else is affected.
+    """
+    ok: dict[str, dict[str, Any]] = {}
+    rejected: dict[str, str] = {}
+    for cid, st in raw.items():
+        try:
+            if not isinstance(st, dict):
+                raise ValueError("not an object")
+            g = st.get("generator_state")
+            if g is not None and not base64.b64decode(str(g), validate=True):
+                raise ValueError("empty generator state")
+            for k in ("prior_outputs", "grammar_outputs"):
+                v = st.get(k)
+                if v is not None and not (isinstance(v, list) and all(isinstance(t, int) for t in v)):
+                    raise ValueError(f"{k} is not a list of token ids")
+            ok[str(cid)] = st
+        except Exception as exc:
+            rejected[str(cid)] = f"{type(exc).__name__}: {exc}"
+    return ok, rejected
+
+
 class GpuckptConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._staging_dir = str(extra.get("staging_dir") or staging.default_dir(f"vllm-{os.getpid()}"))
+        self._faults: set[str] = set(extra.get("inject_faults") or ())
+        self._hook_failures: dict[str, int] = {}
+        # Both halves (EngineCore and every rank's worker) must agree on the
+        # staging directory without talking: derive it from the control socket.
+        tag = hashlib.sha256(str(extra.get("control_socket", "")).encode()).hexdigest()[:12]
+        self._staging_dir = str(extra.get("staging_dir") or staging.default_dir(f"vllm-{tag}"))
+        pc = vllm_config.parallel_config
+        self._tp = int(pc.tensor_parallel_size)
+        self._pp = int(pc.pipeline_parallel_size)
+        self._runner_facts = RunnerFacts(
+            model_runner="v2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1",
+            async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+        )
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
+            log.warning(
+                "gpuckpt: kv_load_failure_policy=%r: a block that fails to load fails its request; "
+                "set it to 'recompute' (gpuckpt's serve_command does) so such blocks are recomputed",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
         # Finished requests' partial tails kept in worker memory for the next
         # capture: a FIFO bounded in bytes, decided by the scheduler half, which
         # tells the worker what to drop (GpuckptMeta.tail_drop).
@@ -171,10 +282,12 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._step = 0
         self._capture_seq = 0
         self._capture_requests: list[_Waiter] = []
-        self._captures: dict[int, tuple[list[_Waiter], dict[str, Any]]] = {}
+        # seq → (waiters, info, each rank's report so far)
+        self._captures: dict[int, tuple[list[_Waiter], dict[str, Any], dict[int, dict[str, Any]]]] = {}
         self._offer: dict[bytes, str] = {}  # key → page file index path
         self._plans: dict[str, tuple[int, list[bytes]]] = {}
         self._loads: list[tuple[int, str, str]] = []
+        self._fail_loads: list[int] = []
         self._restored: dict[str, int] = {}  # client request id → tokens loaded
         self._server: control.ControlServer | None = None
         self._facts_cache: dict[str, Any] | None = None
@@ -182,14 +295,22 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._tail_keys: OrderedDict[bytes, None] = OrderedDict()
         self._tail_copies: list[tuple[str, int, str]] = []
         self._tails_inflight: set[str] = set()
-        self._gen_offer: dict[str, str] = {}  # client request id → base64 generator state
+        # client request id → {"generator_state", "prior_outputs", "grammar_outputs"} (see the offer)
+        self._state_offer: dict[str, dict[str, Any]] = {}
         self._gen_loads: list[tuple[str, str]] = []
+        self._prior_loads: list[tuple[str, list[int]]] = []
+        self._states_applied: dict[str, list[str]] = {}  # client id → what was applied
         # worker half
         self._runner: Any = None
+        self._rank = 0
+        self._heads: Heads | None = None
+        self._head_axis = 0
+        self._disabled: str | None = None
+        self._priors: dict[str, list[int]] = {}
         self._tail_pages: OrderedDict[bytes, bytes] = OrderedDict()
         self._sent: set[str] = set()
         self._kv: list[tuple[str, torch.Tensor]] = []
-        self._done: dict[int, dict[str, Any]] = {}
+        self._done: dict[int, dict[int, dict[str, Any]]] = {}
         self._done_lock = threading.Lock()
         self._copier: PageCopier | None = None
         self._files: dict[str, staging.PageFile] = {}
@@ -224,15 +345,18 @@ class GpuckptConnector(KVConnectorBase_V1):
 
         q.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
+    @_hook(lambda self: False)
     def has_pending_push_work(self) -> bool:
         # A capture in flight keeps an idle engine stepping until the worker
         # half reports its page file (written off the step, one or more steps later).
         return bool(self._capture_requests or self._captures or self._tail_copies or self._tails_inflight)
 
+    @_hook(_nothing)
     def on_new_request(self, request: Request) -> None:
         with self._lock:
             self._live[request.request_id] = request
 
+    @_hook(lambda self, request, block_ids: (False, None))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay the free of a finished request whose KV ends inside a block, so
         the next step can copy that partial tail (see :class:`GpuckptMeta`)."""
@@ -254,6 +378,12 @@ class GpuckptConnector(KVConnectorBase_V1):
             self._tail_copies.append((key.hex(), block_ids[n_full], request.request_id))
             return True, None
 
+    def _no_match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        with self._lock:
+            self._plans.pop(request.request_id, None)
+        return 0, False
+
+    @_hook(_no_match)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The offered blocks that extend the local hit, as tokens; side-effect free
         apart from remembering the plan for ``update_state_after_alloc``."""
@@ -290,12 +420,20 @@ class GpuckptConnector(KVConnectorBase_V1):
             self._plans[request.request_id] = (start, keys)
             return ext, False
 
+    def _fail_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        # The scheduler was promised num_external_tokens of loaded KV: report
+        # every block of the request as a load error, so vLLM recomputes them
+        # (kv_load_failure_policy=recompute) instead of reading unloaded blocks.
+        with self._lock:
+            self._plans.pop(request.request_id, None)
+            if num_external_tokens > 0:
+                self._fail_loads.extend(int(b) for b in blocks.get_block_ids()[0])
+
+    @_hook(_fail_alloc)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         with self._lock:
-            if self._gen_offer and not request.num_output_tokens:
-                g = self._gen_offer.pop(client_id(request.request_id), None)
-                if g is not None:
-                    self._gen_loads.append((request.request_id, g))
+            if self._state_offer and not request.num_output_tokens:
+                self._apply_request_state(request)
             plan = self._plans.pop(request.request_id, None)
             if num_external_tokens <= 0 or plan is None:
                 return
@@ -310,23 +448,87 @@ class GpuckptConnector(KVConnectorBase_V1):
             rid = client_id(request.request_id)
             self._restored[rid] = self._restored.get(rid, 0) + num_external_tokens
 
+    def _apply_request_state(self, request: Request) -> None:
+        """A restored request's first schedule: hand over what it needs beyond its tokens (lock held).
+
+        Each part fails alone (logged, counted in ``stats``): a state that cannot
+        be applied leaves that request as a plain resubmission.
+        """
+        cid = client_id(request.request_id)
+        st = self._state_offer.pop(cid, None)
+        if not st:
+            return
+        applied = self._states_applied.setdefault(cid, [])
+        g = st.get("generator_state")
+        if g:
+            self._gen_loads.append((request.request_id, str(g)))
+            applied.append("generator_state")
+        prior = st.get("prior_outputs")
+        if prior:
+            self._prior_loads.append((request.request_id, [int(t) for t in prior]))
+            applied.append("prior_outputs")
+        grammar_outputs = st.get("grammar_outputs")
+        if grammar_outputs:
+            so = getattr(request, "structured_output_request", None)
+            grammar = getattr(so, "grammar", None)
+            toks = [int(t) for t in grammar_outputs]
+            try:
+                if grammar is None or isinstance(grammar, Exception):
+                    raise RuntimeError("the request has no compiled grammar")
+                if len(grammar.validate_tokens(toks)) != len(toks):
+                    raise RuntimeError("the grammar rejects the earlier outputs")
+                if not grammar.accept_tokens(request.request_id, toks):
+                    raise RuntimeError("the grammar did not accept the earlier outputs")
+                applied.append("grammar")
+            except Exception as exc:
+                log.error("gpuckpt: grammar of %s not advanced: %s", cid, exc)
+                applied.append(f"grammar failed: {exc}")
+
+    def _empty_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        with self._lock:
+            failed = [b for b, _, _ in self._loads] + self._fail_loads
+            self._loads, self._fail_loads = [], []
+            return GpuckptMeta(fail_loads=failed)
+
+    @_hook(_empty_meta)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         with self._lock:
             self._step += 1
-            meta = GpuckptMeta(loads=self._loads, tails=self._tail_copies, generators=self._gen_loads)
-            self._loads, self._tail_copies, self._gen_loads = [], [], []
+            meta = GpuckptMeta(
+                loads=self._loads,
+                tails=self._tail_copies,
+                generators=self._gen_loads,
+                priors=self._prior_loads,
+                fail_loads=self._fail_loads,
+            )
+            self._loads, self._tail_copies, self._gen_loads, self._prior_loads, self._fail_loads = [], [], [], [], []
             for key_hex, _, rid in meta.tails:
                 self._tails_inflight.add(rid)
                 self._tail_keys[bytes.fromhex(key_hex)] = None
                 while len(self._tail_keys) > self._tail_cap:
                     meta.tail_drop.append(self._tail_keys.popitem(last=False)[0].hex())
             if self._capture_requests:
-                meta.capture = self._plan_capture(scheduler_output)
+                try:
+                    meta.capture = self._plan_capture(scheduler_output)
+                except Exception as exc:  # the capture fails; the step goes on
+                    log.exception("gpuckpt: planning a capture failed")
+                    self._answer(self._capture_requests, {"ok": False, "error": f"planning the capture failed: {exc}"})
+                    self._capture_requests = []
         return meta
+
+    @staticmethod
+    def _answer(waiters: list[_Waiter], reply: dict[str, Any]) -> None:
+        for w in waiters:
+            w.reply = reply
+            w.event.set()
 
     def _plan_capture(self, so: SchedulerOutput) -> dict[str, Any]:
         from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 
+        if self._pp != 1:
+            raise NotImplementedError(f"pipeline_parallel_size={self._pp}: only PP = 1 workers can be captured")
+        if "plan_capture" in self._faults:
+            raise InjectedFault("injected fault in plan_capture")
         t0 = time.monotonic()
         bs = self._block_size
         pages: dict[bytes, int] = {}
@@ -363,7 +565,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 toks = req.all_token_ids[kv_held:kv_tokens]
                 pages[tail_key(parent, toks, req.cache_salt, lora)] = ids[n_full]
                 kv_held = kv_tokens
-            entries.append(request_entry(req, kv_held))
+            entries.append(request_entry(req, kv_held, self._runner_facts))
         tails = [k.hex() for k in self._tail_keys if k not in pages]
         self._capture_seq += 1
         seq = self._capture_seq
@@ -379,10 +581,12 @@ class GpuckptConnector(KVConnectorBase_V1):
             "prefix_pages": n_prefix,
             "tail_pages": len(tails),
             "requests": len(entries),
+            "inexact_requests": sum(not e["exact"] for e in entries),
+            "tensor_parallel_size": self._tp,
             "plan_s": time.monotonic() - t0,
             "wait_s": time.monotonic() - min(w.requested for w in waiters),
         }
-        self._captures[seq] = (waiters, info)  # several callers may share one capture
+        self._captures[seq] = (waiters, info, {})  # several callers may share one capture
         return {
             "seq": seq,
             "dir": self._staging_dir,
@@ -391,6 +595,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             "tails": tails,
         }
 
+    @_hook(_nothing)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         sent = connector_output.finished_sending
         if sent and self._tails_inflight:
@@ -400,21 +605,42 @@ class GpuckptConnector(KVConnectorBase_V1):
         if not isinstance(wm, GpuckptWorkerMeta) or not wm.done:
             return
         with self._lock:
-            for seq, d in wm.done.items():
-                item = self._captures.pop(seq, None)
+            for seq, parts in wm.done.items():
+                item = self._captures.get(seq)
                 if item is None:
                     continue
-                waiters, info = item
-                d = dict(d)
-                gens = d.pop("generators", None) or {}
-                for e in info["ledger"]["data"]["requests"]:
+                waiters, info, got = item
+                got.update(parts)
+                errors = {r: d["error"] for r, d in got.items() if d.get("error")}
+                if not errors and len(got) < self._tp:
+                    continue  # wait for every rank's shard
+                del self._captures[seq]
+                if errors:
+                    why = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+                    self._answer(waiters, {"ok": False, "error": f"capture {seq} failed: {why}"})
+                    for d in got.values():  # the other ranks' page files are of no use now
+                        if d.get("index"):
+                            staging.unlink_pair(d["index"])
+                    continue
+                ranks = [dict(got[r]) for r in sorted(got)]
+                gens = ranks[0].pop("generators", None) or {}  # every rank samples alike: rank 0's
+                for d in ranks[1:]:
+                    d.pop("generators", None)
+                ledger = info["ledger"]
+                for e in ledger["data"]["requests"]:
                     g = gens.get(e["request_id"])
                     if g is not None:
                         e["generator_state"] = g
-                reply = {"ok": False, "error": d["error"]} if d.get("error") else {"ok": True, **info, **d}
-                for w in waiters:
-                    w.reply = reply
-                    w.event.set()
+                reply: dict[str, Any] = {
+                    "ok": True,
+                    **info,
+                    "shards": ranks,
+                    # rank 0's figures at the top level (one-rank callers read these)
+                    **{k: ranks[0][k] for k in ("index", "write_s", "pages_written") if k in ranks[0]},
+                    "copy_s": max(d.get("copy_s", 0.0) for d in ranks),
+                    "bytes": sum(int(d.get("bytes", 0)) for d in ranks),
+                }
+                self._answer(waiters, reply)
 
     # -- control channel (runs on the control thread) --
 
@@ -433,26 +659,34 @@ class GpuckptConnector(KVConnectorBase_V1):
                 with self._lock:
                     if w in self._capture_requests:
                         self._capture_requests.remove(w)
-                return {"ok": False, "error": "no step boundary within the timeout (is the engine idle?)"}
+                failing = ", ".join(f"{k} ({n}×)" for k, n in sorted(self._hook_failures.items()))
+                why = f"; failing connector hooks: {failing}" if failing else " (is the engine idle?)"
+                return {"ok": False, "error": f"no step boundary planned the capture within the timeout{why}"}
             assert w.reply is not None
             return w.reply
         if cmd == "offer":
-            pf = staging.PageFile(req["index"])
-            try:
-                keys = list(pf.index.keys)
-            finally:
-                pf.close()
+            # {"index": page file or null, "requests": {client id: state}}; a
+            # null index offers request state alone (a cold replay).
+            keys: list[bytes] = []
+            if req.get("index"):
+                pf = staging.PageFile(req["index"])
+                try:
+                    keys = list(pf.index.keys)
+                finally:
+                    pf.close()
+            states, rejected = _check_states(req.get("requests") or {})
             with self._lock:
-                offer = dict(self._offer)
-                for k in keys:
-                    offer[k] = str(req["index"])
-                self._offer = offer
-                self._gen_offer.update({str(k): str(v) for k, v in (req.get("generators") or {}).items()})
-            return {"ok": True, "offered": len(keys)}
+                if keys:
+                    offer = dict(self._offer)
+                    for k in keys:
+                        offer[k] = str(req["index"])
+                    self._offer = offer
+                self._state_offer.update(states)
+            return {"ok": True, "offered": len(keys), "requests": len(states), "rejected": rejected}
         if cmd == "withdraw":
             with self._lock:
                 self._offer = {}
-                self._gen_offer = {}
+                self._state_offer = {}
             return {"ok": True}
         if cmd == "stats":
             with self._lock:
@@ -463,13 +697,16 @@ class GpuckptConnector(KVConnectorBase_V1):
                     "live": len(self._live),
                     "offered": len(self._offer),
                     "tail_pages": len(self._tail_keys),
-                    "generators_pending": len(self._gen_offer),
+                    "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
+                    "states_pending": len(self._state_offer),
+                    "states_applied": {k: list(v) for k, v in self._states_applied.items()},
+                    "hook_failures": dict(self._hook_failures),
                 }
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
     def _describe(self) -> dict[str, Any]:
         if self._facts_cache is None:
-            self._facts_cache = describe(self._vllm_config, self._kv_cache_config)
+            self._facts_cache = describe(self._vllm_config, self._kv_cache_config, self._staging_dir)
         return self._facts_cache
 
     def shutdown(self) -> None:
@@ -482,62 +719,133 @@ class GpuckptConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker half
 
+    def _disable(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._disabled = "register_kv_caches failed (see the worker's log)"
+
+    @_hook(_disable)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        # Block-first views of every layer: the CPU backend (and FlashInfer-
-        # style layouts) put the block id first; FlashAttention-style layouts
-        # put K/V first ([2, num_blocks, ...]), which is two block-first views.
+        # Block-first views of every layer: the CPU backend and vLLM 0.33's
+        # logical [blocks, head slots, tokens, content] views put the block id
+        # first; older FlashAttention-style tensors put K/V first
+        # ([2, num_blocks, tokens, heads, head_size]), which is two block-first views.
         self._kv = []
+        kv_first = False
+        seen: set[int] = set()
         for name, t in sorted(kv_caches.items()):
+            if t.data_ptr() in seen:  # KV-sharing layers alias their target's tensor
+                continue
+            seen.add(t.data_ptr())
             if t.shape[0] == num_blocks:
                 self._kv.append((name, t))
             elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
                 self._kv += [(f"{name}#k", t[0]), (f"{name}#v", t[1])]
+                kv_first = True
             else:
                 raise NotImplementedError(
                     f"gpuckpt: layer {name} KV tensor has shape {tuple(t.shape)}; "
                     f"expected the block id ({num_blocks} blocks) first, or K/V first and then the block id"
                 )
+        self._head_axis = 1 if kv_first else 0
         self._copier = PageCopier([t for _, t in self._kv])
-        # The model runner (for seeded requests' generators) called us from
-        # initialize_kv_cache; under MRV2 it is a few frames further up.
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self._rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # no distributed state: a single in-process worker
+            self._rank = 0
+        mc = self._vllm_config.model_config
+        total = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+        self._heads = local_heads(self._rank, self._tp, total, int(self._kv[0][1].shape[1 + self._head_axis]))
+        # The model runner (for seeded requests' generators and the sampler's
+        # view of outputs) called us from initialize_kv_cache.
         f = sys._getframe(1)
         while f is not None and self._runner is None:
             obj = f.f_locals.get("self")
             if obj is not None and isinstance(getattr(obj, "requests", None), dict) and hasattr(obj, "input_batch"):
                 self._runner = obj
             f = f.f_back  # type: ignore[assignment]
+        self._write_report()
         log.info(
-            "gpuckpt: %d layers, page shape %s %s; runner %s",
+            "gpuckpt: rank %d/%d, %d layers, page shape %s %s, heads %s; runner %s",
+            self._rank,
+            self._tp,
             len(self._kv),
             tuple(self._kv[0][1].shape[1:]),
             self._kv[0][1].dtype,
+            self._heads,
             type(self._runner).__name__,
         )
+
+    def _write_report(self) -> None:
+        """This rank's self-description for the scheduler half's ``describe`` (private staging dir)."""
+        import json
+
+        assert self._heads is not None
+        t = self._kv[0][1]
+        report = {
+            "rank": self._rank,
+            "device": str(t.device),
+            "backend": attention_backend_name(self._vllm_config),
+            # the tokens axis of a layer's page: the kernel's block
+            "kernel_block_size": int(t.shape[1 + (1 - self._head_axis)]) if t.dim() >= 3 else None,
+            "kv_heads": [self._heads.start, self._heads.count],
+            "page_shape": list(self._page_shape()),
+            "dtype": self._dtype(),
+            "runner": type(self._runner).__name__,
+        }
+        d = staging.ensure_dir(self._staging_dir)
+        tmp = d / f".worker-r{self._rank}.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(report).encode())
+        os.replace(tmp, d / f"worker-r{self._rank}.json")
 
     def _generator(self, rid: str) -> torch.Generator | None:
         st = self._runner.requests.get(rid) if self._runner is not None else None
         return getattr(st, "generator", None)
 
     def _page_shape(self) -> tuple[int, ...]:
+        """This rank's page: ``[layers, *layer page]`` with its own heads."""
         return (len(self._kv), *self._kv[0][1].shape[1:])
+
+    def _stored_shape(self) -> tuple[int, ...]:
+        """A stored page: every KV head of the model (see :mod:`.shards`)."""
+        assert self._heads is not None
+        return full_shape(self._page_shape(), self._head_axis, self._heads.total)
 
     def _dtype(self) -> str:
         return str(self._kv[0][1].dtype).removeprefix("torch.")
 
+    def _fail_meta_loads(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, GpuckptMeta):
+            self._load_errors.update(b for b, _, _ in meta.loads)
+            self._load_errors.update(meta.fail_loads)
+
+    @_hook(_fail_meta_loads)
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, GpuckptMeta):
             return
+        self._load_errors.update(meta.fail_loads)
         for rid, state in meta.generators:
-            g = self._generator(rid)
-            if g is None:
-                log.warning("gpuckpt: no sampler generator for %s; its seeded state is not restored", rid)
-                continue
-            g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+            try:
+                g = self._generator(rid)
+                if g is None:
+                    raise LookupError("no sampler generator (not the V1 model runner?)")
+                g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+            except Exception as exc:
+                log.error("gpuckpt: the seeded state of %s is not restored: %s", rid, exc)
+        for rid, prior in meta.priors:
+            self._priors[rid] = prior
+        if self._priors:
+            self._refresh_priors()
         if not meta.loads:
             return
-        shape = self._page_shape()
+        if self._disabled:
+            raise RuntimeError(self._disabled)
+        shape = self._stored_shape()
         ids: list[int] = []
         pages: list[memoryview] = []
         for block_id, index_path, key_hex in meta.loads:
@@ -554,10 +862,38 @@ class GpuckptConnector(KVConnectorBase_V1):
                 self._load_errors.add(block_id)
         try:
             assert self._copier is not None
-            self._copier.scatter(ids, pages)  # queued before this step's forward (same stream on CUDA)
+            assert self._heads is not None
+            # queued before this step's forward (same stream on CUDA); each rank takes its heads
+            self._copier.scatter(ids, pages, self._heads.as_tuple(), self._head_axis)
         except Exception:
             log.exception("gpuckpt: loading %d blocks failed", len(ids))
             self._load_errors.update(ids)
+
+    def _refresh_priors(self) -> None:
+        """Put restored requests' earlier outputs in front of their outputs, in the sampler's view.
+
+        Frequency / presence penalties and bad words read
+        ``input_batch.req_output_token_ids`` (the list vLLM hands the sampler);
+        a resubmitted request has its earlier outputs in its prompt instead.
+        The entry is replaced by ``prior + outputs`` each step (after the
+        runner updated the batch, before it samples); the request's own list,
+        which the runner appends to and the min-tokens processor counts, is
+        left alone. V1 model runner only (the ledger marks other runners'
+        penalised requests inexact).
+        """
+        runner = self._runner
+        batch = getattr(runner, "input_batch", None)
+        if batch is None:
+            self._priors.clear()
+            return
+        for rid, prior in list(self._priors.items()):
+            st = runner.requests.get(rid)
+            if st is None:
+                del self._priors[rid]  # finished or aborted
+                continue
+            idx = batch.req_id_to_index.get(rid)
+            if idx is not None:
+                batch.req_output_token_ids[idx] = prior + list(st.output_token_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
@@ -575,6 +911,14 @@ class GpuckptConnector(KVConnectorBase_V1):
         assert self._copier is not None
         return self._copier.page(block_id)
 
+    def _fail_capture(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, GpuckptMeta):
+            self._sent.update(rid for _, _, rid in meta.tails)  # the blocks must be freed all the same
+            if meta.capture is not None:
+                self._finish_capture(meta.capture["seq"], {"error": "the worker's copy failed (see its log)"})
+
+    @_hook(_fail_capture)
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, GpuckptMeta):
@@ -590,8 +934,14 @@ class GpuckptConnector(KVConnectorBase_V1):
         if meta.capture is None:
             return
         cap = meta.capture
+        if self._disabled:
+            why = f"the connector is disabled on rank {self._rank}: {self._disabled}"
+            self._finish_capture(cap["seq"], {"error": why})
+            return
         t0 = time.monotonic()
         try:
+            if "gather" in self._faults:
+                raise InjectedFault("injected fault in gather")
             assert self._copier is not None
             # Only the copy holds up the engine (on CUDA, only its GPU stream);
             # the page file is written by a thread, reported a step or more later.
@@ -629,37 +979,57 @@ class GpuckptConnector(KVConnectorBase_V1):
         pause: float,
     ) -> None:
         t0 = time.monotonic()
-        w = staging.PageWriter(
-            cap["dir"], cap["name"], dtype=self._dtype(), page_shape=self._page_shape(), layers=[n for n, _ in self._kv]
-        )
+        w: staging.PageWriter | None = None
         try:
+            if "write_capture" in self._faults:
+                raise InjectedFault("injected fault in write_capture")
+            assert self._heads is not None
+            w = staging.PageWriter(
+                cap["dir"],
+                f"{cap['name']}-r{self._rank}",
+                dtype=self._dtype(),
+                page_shape=self._page_shape(),
+                layers=[n for n, _ in self._kv],
+            )
             for (key_hex, _), page in zip(cap["pages"], gathered.pages(), strict=True):
                 w.write(bytes.fromhex(key_hex), page)
             for key_hex, tail in tails:
                 w.write(bytes.fromhex(key_hex), tail)
             idx = w.commit()
             res: dict[str, Any] = {
+                "rank": self._rank,
+                "device": str(self._kv[0][1].device),
+                "kv_heads": [self._heads.start, self._heads.count],
+                "total_kv_heads": self._heads.total,
+                "head_axis": self._head_axis,
                 "index": str(w.index_path),
                 "copy_s": pause,
                 "write_s": time.monotonic() - t0,
                 "bytes": idx.page_bytes * len(idx.keys),
-                "pages": len(idx.keys),
+                "pages_written": len(idx.keys),
                 "generators": gens,
             }
         except Exception as exc:
-            w.abort()
+            if w is not None:
+                w.abort()
             log.exception("gpuckpt: writing capture %s failed", cap["seq"])
             res = {"error": f"{type(exc).__name__}: {exc}"}
         self._finish_capture(cap["seq"], res)
 
     def _finish_capture(self, seq: int, result: dict[str, Any]) -> None:
         with self._done_lock:
-            self._done[seq] = result
+            self._done.setdefault(seq, {})[self._rank] = result
 
+    def _sent_anyway(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, self._sent = self._sent, set()
+        return (sent or None), None
+
+    @_hook(_sent_anyway)
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, self._sent = self._sent, set()
         return (sent or None), None
 
+    @_hook(_nothing)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         with self._done_lock:
             if not self._done:
@@ -668,8 +1038,70 @@ class GpuckptConnector(KVConnectorBase_V1):
         return GpuckptWorkerMeta(done)
 
 
-def describe(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
-    """The worker's pins, layout and namespace fields, as JSON (see :class:`agent.engines.base.WorkerDescription`)."""
+def page_format(
+    *,
+    device: str,
+    backend: str | None,
+    kv_cache_layout: str | None,
+    spec: Any,
+    kernel_block_size: int | None,
+    isa: str | None = None,
+) -> str | None:
+    """The byte format of one KV head's slice of a page, TP-independent; ``None`` when not known.
+
+    What decides how a head's bytes are read (vLLM 0.33, ``../shared`` notes
+    "KV cache layout on GPU"): device, attention backend, the global
+    ``KVCacheLayout`` (LBHNC / LBNHC / …), the content of one token of one
+    head slot (``head_size + head_size_v``, or MLA's latent), the head slots
+    per KV head (NVFP4 doubles them), the kernel block size and the KV
+    quantization mode, plus the CPU backend's instruction set (its in-page
+    order of K depends on it). The number of heads is not part of it: a
+    stored page holds all of them (:mod:`.shards`), and ``num_kv_heads`` is a
+    pin of its own.
+    """
+    if backend is None or kv_cache_layout is None:
+        return None
+    hk = int(getattr(spec, "head_size", 0))
+    hv = getattr(spec, "head_size_v", None)
+    mla = type(spec).__name__.startswith("MLA") or "MLA" in backend
+    content = f"latent{hk}" if mla else f"k{hk}+v{hv if hv is not None else hk}"
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    heads = int(getattr(spec, "num_kv_heads", 1) or 1)
+    slots = getattr(spec, "num_head_slots", None)
+    per_head = int(slots) // heads if slots else 1
+    parts = [device, backend, kv_cache_layout, content, f"slots{per_head}", f"kb{kernel_block_size}", f"q{quant}"]
+    if isa:
+        parts.append(isa)
+    return ":".join(parts)
+
+
+def _worker_reports(staging_dir: str, tp: int, wait: float) -> list[dict[str, Any]]:
+    """Every rank's self-description (written at ``register_kv_caches``), waiting up to ``wait`` s."""
+    import json as _json
+
+    deadline = time.monotonic() + wait
+    while True:
+        out = []
+        for r in range(tp):
+            p = os.path.join(staging_dir, f"worker-r{r}.json")
+            try:
+                with open(p, "rb") as f:
+                    out.append(_json.loads(f.read()))
+            except (OSError, ValueError):
+                break
+        if len(out) == tp or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
+
+
+def describe(vllm_config: Any, kv_cache_config: Any, staging_dir: str | None = None) -> dict[str, Any]:
+    """The worker's pins, layout and namespace fields, as JSON (see :class:`agent.engines.base.WorkerDescription`).
+
+    Facts that only the ranks know (the attention backend their layers run,
+    the kernel block size, each rank's device and heads) come from the
+    reports they write into the staging directory at start; without them
+    the backend is unknown and the strict policy refuses a warm restore.
+    """
     import vllm
     from vllm.platforms import current_platform
     from vllm.v1.core.kv_cache_utils import get_none_hash_seed
@@ -682,21 +1114,34 @@ def describe(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     model_dtype = str(mc.dtype).removeprefix("torch.")
     kv_dtype = model_dtype if cc.cache_dtype == "auto" else str(cc.cache_dtype)
     device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
-    backend: str | None = None
+    tp = int(pc.tensor_parallel_size)
+    reports = _worker_reports(staging_dir, tp, 30.0) if staging_dir else []
+    backends = {r.get("backend") for r in reports}
+    backend = backends.pop() if len(backends) == 1 and len(reports) == tp else None
+    kernel_blocks = {r.get("kernel_block_size") for r in reports}
+    kernel_block = kernel_blocks.pop() if len(kernel_blocks) == 1 else None
     isa: str | None = None
     if device == "cpu":
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        backend = "CPU_ATTN"
         isa = _get_attn_isa(mc.dtype, cc.block_size, spec.head_size, cc.cache_dtype)
-        layout = f"cpu:{isa}:[num_blocks,kv_heads,block_size,hk+hv]"
-    else:
-        layout = None  # the slice only knows the CPU layout; unknown → strict policy refuses
+        backend = backend or "CPU_ATTN"
+    layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None)
+    layout = page_format(
+        device=device,
+        backend=backend,
+        kv_cache_layout=str(layout_name) if layout_name else None,
+        spec=spec,
+        kernel_block_size=kernel_block or cc.block_size,
+        isa=isa,
+    )
+    total_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
     model_digest = tokenizer_digest = None
     if os.path.isdir(mc.model):
         model_digest = fingerprint.model_digest(mc.model)
         tok = mc.tokenizer if mc.tokenizer and os.path.isdir(mc.tokenizer) else mc.model
         tokenizer_digest = fingerprint.tokenizer_digest(tok)
+    model_runner = "v2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1"
     facts = {
         "engine": "vllm",
         "engine_version": vllm.__version__,
@@ -704,7 +1149,10 @@ def describe(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         "kv_layout": layout,
         "block_size": cc.block_size,
         "kv_dtype": kv_dtype,
-        "tensor_parallel_size": pc.tensor_parallel_size,
+        "num_kv_heads": total_heads,
+        "head_size": int(spec.head_size),
+        "model_runner": model_runner,
+        "tensor_parallel_size": tp,
         "pipeline_parallel_size": pc.pipeline_parallel_size,
         "rank": 0,
         "model": str(mc.model),
@@ -718,18 +1166,39 @@ def describe(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     layout_doc = {
         "device": device,
         "isa": isa,
+        "attention_backend": backend,
+        "kv_cache_layout": str(layout_name) if layout_name else None,
         "block_size": cc.block_size,
-        "num_kv_heads": spec.num_kv_heads,
+        "kernel_block_size": kernel_block,
+        "num_kv_heads": total_heads,
         "head_size": spec.head_size,
         "dtype": kv_dtype,
         "layers": sorted(group.layer_names),
-        "page": "one block id across all layers, layer-major, each layer's page whole",
+        "tensor_parallel_size": tp,
+        "model_runner": model_runner,
+        "async_scheduling": bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+        "ranks": reports,
+        "page": "one block id across all layers, layer-major, each layer's page whole with all KV heads",
     }
     ns = {
         "engine": "vllm",
         "model": model_digest or f"path:{mc.model}",
         "layout": layout or "unknown",
-        "kv": f"{kv_dtype}/bs{cc.block_size}/h{spec.num_kv_heads}x{spec.head_size}/l{len(group.layer_names)}",
+        "kv": f"{kv_dtype}/bs{cc.block_size}/h{total_heads}x{spec.head_size}/l{len(group.layer_names)}",
         "hash": f"{facts['prefix_hash_algo']}/{facts['prefix_hash_seed']}",
     }
     return {"facts": facts, "layout": layout_doc, "namespace": ns}
+
+
+def attention_backend_name(vllm_config: Any) -> str | None:
+    """The backend the worker's attention layers run (one name), from vLLM's forward context."""
+    names = set()
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    for layer in ctx.values():
+        b = getattr(layer, "attn_backend", None) or getattr(layer, "backend", None)
+        if b is None:
+            continue
+        name = b.get_name() if hasattr(b, "get_name") else getattr(b, "name", None)
+        if name:
+            names.add(str(name))
+    return names.pop() if len(names) == 1 else None

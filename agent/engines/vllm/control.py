@@ -19,7 +19,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckpt.errors import ServiceUnavailable
+
 log = logging.getLogger(__name__)
+
+
+class ControlError(ServiceUnavailable, RuntimeError):
+    """The connector refused or failed a control call, or the channel broke; the message says which.
+
+    A :class:`ckpt.errors.ServiceUnavailable` (exit code of an unreachable
+    worker) and, for callers written against the first slice, a ``RuntimeError``.
+    """
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_LINE = 64 << 20
@@ -68,22 +78,34 @@ class ControlServer:
 
 
 def call(path: str | os.PathLike[str], cmd: str, *, io_timeout: float = 60.0, **args: Any) -> dict[str, Any]:
-    """One request; raises RuntimeError on an ``ok: false`` reply."""
+    """One request; raises :class:`ControlError` on an ``ok: false`` reply or a broken channel
+    (``OSError`` when the socket cannot be reached at all)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(io_timeout)
         s.connect(str(path))
         s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
         buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > MAX_LINE:
-                raise RuntimeError("control reply too large")
-    reply = json.loads(buf)
+        try:
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    break
+                buf += chunk
+                if len(buf) > MAX_LINE:
+                    raise ControlError(f"gpuckpt control {cmd!r}: reply larger than {MAX_LINE} bytes")
+        except TimeoutError:
+            raise ControlError(f"gpuckpt control {cmd!r}: no reply within {io_timeout:.0f} s") from None
+    if not buf.endswith(b"\n"):
+        raise ControlError(
+            f"gpuckpt control {cmd!r}: the connector closed the connection without a reply "
+            f"(did the engine die? {len(buf)} bytes received)"
+        )
+    try:
+        reply = json.loads(buf)
+    except ValueError:
+        raise ControlError(f"gpuckpt control {cmd!r}: the reply is not JSON") from None
     if not isinstance(reply, dict):
-        raise RuntimeError(f"gpuckpt control {cmd!r}: malformed reply")
+        raise ControlError(f"gpuckpt control {cmd!r}: malformed reply")
     if not reply.get("ok"):
-        raise RuntimeError(f"gpuckpt control {cmd!r} failed: {reply.get('error')}")
+        raise ControlError(f"gpuckpt control {cmd!r} failed: {reply.get('error')}")
     return reply

@@ -37,6 +37,13 @@ from typing import Any
 import torch
 
 
+def element_count(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Coalesce ``ids`` (in order) into ``(position, first_id, length)`` runs of consecutive ids."""
     out: list[tuple[int, int, int]] = []
@@ -125,11 +132,20 @@ class PageCopier:
         g = self.gather([block_id])
         return b"".join(bytes(p) for p in g.pages())
 
-    def scatter(self, ids: Sequence[int], pages: Sequence[memoryview | bytes]) -> None:
+    def scatter(
+        self,
+        ids: Sequence[int],
+        pages: Sequence[memoryview | bytes],
+        heads: tuple[int, int, int] | None = None,
+        head_axis: int = 0,
+    ) -> None:
         """Write ``pages[i]`` (all layers of one block) into block ``ids[i]``.
 
-        On CUDA the copies are queued on the current stream; the forward that
-        follows on that stream sees them.
+        With ``heads = (start, count, total)`` each page holds all ``total``
+        KV heads (axis ``head_axis`` of a layer's page) and this copier's
+        layers hold ``count`` of them from ``start`` (a tensor-parallel rank's
+        shard): only those heads are copied. On CUDA the copies are queued on
+        the current stream; the forward that follows on that stream sees them.
         """
         if not ids:
             return
@@ -144,15 +160,23 @@ class PageCopier:
                 # [layers, n, ...]: each layer's run of blocks is one contiguous H2D copy.
                 buf = torch.empty((len(self.layers), n, *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
                 self._load_buf = buf
-            page_shape = (len(self.layers), *self.page_shape)
-            page_bytes = buf[:, 0].numel() * buf.element_size()
+            page_shape: tuple[int, ...] = (len(self.layers), *self.page_shape)
+            if heads is not None:
+                start, count, total = heads
+                if self.page_shape[head_axis] != count:
+                    raise ValueError(f"a shard of {count} heads for layers of {self.page_shape[head_axis]}")
+                page_shape = (*page_shape[: 1 + head_axis], total, *page_shape[2 + head_axis :])
+            page_bytes = element_count(page_shape) * buf.element_size()
             for row, i in enumerate(order):
                 with warnings.catch_warnings():  # a read-only page-file mapping: only read here
                     warnings.simplefilter("ignore", UserWarning)
                     src = torch.frombuffer(pages[i], dtype=torch.uint8)
                 if src.numel() != page_bytes:
                     raise ValueError(f"page of {src.numel()} bytes for a {page_bytes}-byte block")
-                buf[:, row].copy_(src.view(self.dtype).view(page_shape))
+                full = src.view(self.dtype).view(page_shape)
+                if heads is not None and heads[1] != heads[2]:
+                    full = full.narrow(1 + head_axis, heads[0], heads[1])
+                buf[:, row].copy_(full)
             for li, kv in enumerate(self.layers):
                 for pos, start, k in runs(sids):
                     kv[start : start + k].copy_(buf[li, pos : pos + k], non_blocking=self.cuda)

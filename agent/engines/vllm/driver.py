@@ -21,6 +21,9 @@ recompute that part (never a wrong token).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +32,8 @@ from typing import Any
 
 from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
 from agent.engines.vllm import canary as canary_mod
-from agent.engines.vllm import control, staging
+from agent.engines.vllm import control, shards, staging
+from agent.engines.vllm.ledger import read as read_ledger
 from agent.engines.vllm.ledger import resubmissions
 from ckpt import Block, BlockFailure, Ledger, Manifest, Pins, Policy, Repository, WorkerFacts, decide, host_facts
 from ckpt.compat import STRICT
@@ -44,28 +48,73 @@ def describe(sock: Socket) -> WorkerDescription:
 
 
 def capture(sock: Socket, timeout: float = 60.0) -> Capture:
-    """Ask the connector for a snapshot at the next step boundary; the pages are
-    read from the worker's page file, which ``close`` deletes."""
+    """Ask the connector for a snapshot at the next step boundary.
+
+    A tensor-parallel worker answers with one page file per rank; their
+    pages are joined here into stored pages holding every KV head
+    (:mod:`agent.engines.vllm.shards`), so a checkpoint restores into any TP
+    size. A capture whose ranks' parts do not cover every head is refused
+    (:class:`~agent.engines.vllm.shards.ShardError`, naming the rank) and its
+    page files are deleted. ``close`` deletes every page file.
+    """
     t0 = time.monotonic()
     r = control.call(sock, "capture", io_timeout=timeout + 5, timeout=timeout)
-    pf = staging.PageFile(r["index"])
-    shape = tuple(pf.index.page_shape)
-
-    def pages() -> Iterator[Block]:
-        for key, view in pf.items():
-            yield Block(key, view, pf.index.dtype, shape)
+    shard_recs = r.get("shards") or [{"rank": 0, "index": r["index"]}]
+    files: list[staging.PageFile] = []
 
     def close() -> None:
-        pf.close()
-        pf.unlink()
+        for pf in files:
+            pf.close()
+        for rec in shard_recs:
+            if rec.get("index"):
+                staging.unlink_pair(rec["index"])
+
+    try:
+        for rec in shard_recs:
+            files.append(staging.PageFile(rec["index"]))
+        first = files[0].index
+        shard_shape = tuple(first.page_shape)
+        head_axis = int(shard_recs[0].get("head_axis", 0))
+        total = int(shard_recs[0].get("total_kv_heads", shard_shape[1 + head_axis]))
+        for rec in shard_recs:
+            rec.setdefault("kv_heads", [0, shard_shape[1 + head_axis]])
+        tp = int(r.get("tensor_parallel_size", len(shard_recs)))
+        shards.check_cover(shard_recs, total, tp)
+        for rec, pf in zip(shard_recs, files, strict=True):
+            same = pf.index.keys == first.keys and tuple(pf.index.page_shape) == shard_shape
+            if not same or pf.index.dtype != first.dtype:
+                raise shards.ShardError(f"rank {rec['rank']}'s page file does not match rank 0's (keys, shape, dtype)")
+        shape = shards.full_shape(shard_shape, head_axis, total)
+    except BaseException:
+        close()
+        raise
+
+    def pages() -> Iterator[Block]:
+        joined = shards.join(
+            [(v for _, v in pf.items()) for pf in files],
+            shard_recs,
+            dtype=first.dtype,
+            shard_shape=shard_shape,
+            head_axis=head_axis,
+            total=total,
+        )
+        for key, view in zip(first.keys, joined, strict=True):
+            yield Block(key, view, first.dtype, shape)
 
     keys = ("step", "pages", "prefix_pages", "tail_pages", "requests", "plan_s", "wait_s", "copy_s", "bytes")
     stats = {k: r[k] for k in keys}
     stats["write_s"] = r.get("write_s", 0.0)  # the worker's page-file write, off the engine's step
     stats["capture_s"] = time.monotonic() - t0
     stats["page_shape"] = list(shape)
-    stats["page_dtype"] = pf.index.dtype
-    stats["layers"] = list(pf.index.layers)
+    stats["page_dtype"] = first.dtype
+    stats["layers"] = list(first.layers)
+    stats["inexact_requests"] = r.get("inexact_requests", 0)
+    stats["shards"] = [
+        {k: rec[k] for k in ("rank", "device", "kv_heads", "pages_written", "bytes", "copy_s") if k in rec}
+        for rec in shard_recs
+    ]
+    stats["head_axis"] = head_axis
+    stats["tensor_parallel_size"] = tp
     return Capture(pages(), Ledger.model_validate(r["ledger"]), stats, close)
 
 
@@ -111,6 +160,9 @@ def checkpoint(
             "page_shape": cap.stats["page_shape"],
             "page_dtype": cap.stats["page_dtype"],
             "page_layers": cap.stats["layers"],
+            "head_axis": cap.stats["head_axis"],
+            # which rank held which heads when the checkpoint was taken
+            "shards": cap.stats["shards"],
         }
         m = repo.save(
             cap.pages,
@@ -140,6 +192,67 @@ def last_checkpoint_stats() -> dict[str, Any]:
     return dict(_LAST_STATS)
 
 
+def _request_states(
+    m: Manifest, *, warm: bool
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    """What each ledger entry needs beyond its tokens, by client id, and why some cannot have it.
+
+    Earlier outputs (for penalties / bad words and to advance a grammar)
+    apply warm or cold: they are the request's semantics, not the cache's.
+    The seeded sampler state applies on a warm restore only.
+    """
+    from agent.engines.vllm.ledger import PRIOR_OUTPUTS_NEEDED
+
+    states: dict[str, dict[str, Any]] = {}
+    problems: dict[str, list[str]] = {}
+    entries = read_ledger(m.ledger) if m.ledger is not None else []
+    for e in entries:
+        cid = e["client_request_id"]
+        st: dict[str, Any] = {}
+        outs = list(e["output_token_ids"])
+        if outs and any(e["sampling"].get(f) for f in PRIOR_OUTPUTS_NEEDED):
+            st["prior_outputs"] = outs
+        if outs and e.get("structured_outputs"):
+            st["grammar_outputs"] = outs
+        g = e.get("generator_state")
+        if g:
+            if not warm:
+                problems.setdefault(cid, []).append(
+                    "seeded sampling: the sampler state is carried on a warm restore only"
+                )
+            else:
+                try:
+                    if not base64.b64decode(str(g), validate=True):
+                        raise ValueError("empty")
+                    st["generator_state"] = g
+                except (ValueError, binascii.Error) as exc:
+                    problems.setdefault(cid, []).append(f"seeded sampling: the generator state is corrupt ({exc})")
+        if st:
+            states[cid] = st
+    return states, problems
+
+
+def _annotate(requests: list[Resubmission], problems: dict[str, list[str]]) -> list[Resubmission]:
+    out = []
+    for r in requests:
+        extra = problems.get(r.request_id, [])
+        if extra:
+            reasons = (*r.reasons, *extra)
+            r = dataclasses.replace(r, exact=False, reasons=reasons)
+        out.append(r)
+    return out
+
+
+def _offer_states(sock: Socket, states: dict[str, dict[str, Any]], problems: dict[str, list[str]]) -> int:
+    """Offer request states alone (no pages); the connector's rejections become per-request problems."""
+    if not states:
+        return 0
+    reply = control.call(sock, "offer", index=None, requests=states)
+    for cid, why in (reply.get("rejected") or {}).items():
+        problems.setdefault(cid, []).append(f"request state rejected by the worker: {why}")
+    return int(reply.get("requests", 0))
+
+
 def restore(
     repo: Repository,
     ref: str,
@@ -152,10 +265,13 @@ def restore(
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
 
     Returns the requests to resubmit either way; ``warm`` says whether the
-    worker was offered the checkpoint's blocks, ``reasons`` why not. With
-    ``generate`` (greedy, on the new worker) and a canary in the manifest,
-    the probe runs after the offer; on a mismatch the offer is withdrawn and
-    the plan is cold.
+    worker was offered the checkpoint's blocks, ``reasons`` why not. Each
+    request carries ``exact`` / ``reasons``: a request the restore cannot
+    continue from the exact next token (a ledger that judged it so, a seeded
+    request on a cold plan, a state the worker rejected) is a cold replay of
+    that request, and says why. With ``generate`` (greedy, on the new
+    worker) and a canary in the manifest, the probe runs after the offer;
+    on a mismatch the offer is withdrawn and the plan is cold.
     """
     t0 = time.monotonic()
     m = repo.manifest(ref)
@@ -165,8 +281,17 @@ def restore(
     reasons = list(decision.reasons)
     if dict(m.namespace) != dict(desc.namespace_fields):
         reasons.append(f"namespace: checkpoint {m.namespace} != worker {dict(desc.namespace_fields)}")
+    reasons += _shard_reasons(m)
+
+    def cold(why: list[str], stats: dict[str, Any]) -> RestorePlan:
+        states, problems = _request_states(m, warm=False)
+        stats["request_states"] = _offer_states(sock, states, problems)
+        stats["plan_s"] = time.monotonic() - t0
+        return RestorePlan(False, why, _annotate(requests, problems), stats=stats)
+
     if reasons:
-        return RestorePlan(False, reasons, requests, stats={"plan_s": time.monotonic() - t0})
+        return cold(reasons, {})
+    states, problems = _request_states(m, warm=True)
     out = Path(staging_dir) if staging_dir else staging.default_dir(f"restore-{os.getpid()}")
     errors: list[BlockFailure] = []
     w = staging.PageWriter(
@@ -183,19 +308,20 @@ def restore(
     except BaseException:
         w.abort()
         raise
-    # Seeded requests' sampler states travel with the offer (applied at their first schedule).
-    gens = {
-        e["client_request_id"]: e["generator_state"]
-        for e in (m.ledger.data.get("requests", []) if m.ledger is not None else [])
-        if e.get("generator_state")
-    }
-    offered = control.call(sock, "offer", index=str(w.index_path), generators=gens)["offered"]
     stats: dict[str, Any] = {
         "blocks": len(idx.keys),
         "failed_blocks": len(errors),
         "failures": [f"{f.key.hex()[:16]}: {f.error}" for f in errors],
-        "generators": len(gens),
+        "generators": sum(1 for st in states.values() if st.get("generator_state")),
     }
+    if errors and not idx.keys:
+        staging.unlink_pair(w.index_path)
+        none_ok = f"no block of checkpoint {m.id} could be verified ({len(errors)} failed; first: {errors[0].error})"
+        return cold([none_ok], stats)
+    reply = control.call(sock, "offer", index=str(w.index_path), requests=states)
+    offered = int(reply["offered"])
+    for cid, rejected in (reply.get("rejected") or {}).items():
+        problems.setdefault(cid, []).append(f"request state rejected by the worker: {rejected}")
     if m.canary is None or generate is None:
         stats["canary"] = {"checked": False, "recorded": m.canary is not None}
     else:
@@ -213,11 +339,28 @@ def restore(
         }
         if not ok:
             control.call(sock, "withdraw")  # fail closed: nothing of this checkpoint is served
-            stats["plan_s"] = time.monotonic() - t0
             stats["withdrawn"] = offered
-            return RestorePlan(False, [str(why)], requests, stats=stats)
+            return cold([str(why)], stats)
     stats["plan_s"] = time.monotonic() - t0
-    return RestorePlan(True, [], requests, blocks_offered=offered, stats=stats)
+    return RestorePlan(True, [], _annotate(requests, problems), blocks_offered=offered, stats=stats)
+
+
+def _shard_reasons(m: Manifest) -> list[str]:
+    """Why the checkpoint's pages are not whole (a rank's part missing or inconsistent), naming the rank."""
+    layout = m.layout
+    recs = layout.get("shards")
+    if recs is None:  # written before tensor parallelism was carried: one rank, whole pages
+        return []
+    try:
+        total = int(layout["num_kv_heads"])
+        tp = int(layout.get("tensor_parallel_size", len(recs)))
+        shards.check_cover(recs, total, tp)
+        head_axis = int(layout.get("head_axis", 0))
+        if int(layout["page_shape"][1 + head_axis]) != total:
+            raise shards.ShardError(f"stored pages hold {layout['page_shape'][1 + head_axis]} of {total} KV heads")
+    except (shards.ShardError, KeyError, TypeError, ValueError, IndexError) as exc:
+        return [f"tensor parallel: {exc}"]
+    return []
 
 
 def stats(sock: Socket) -> dict[str, Any]:
@@ -252,9 +395,13 @@ def submit(llm: Any, requests: list[Resubmission]) -> None:
     """Add resubmissions to an offline ``vllm.LLM`` under their original request ids."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     for r in requests:
         prompt = TokensPrompt(prompt_token_ids=list(r.token_ids))
         if r.cache_salt is not None:
             prompt["cache_salt"] = r.cache_salt
-        llm.llm_engine.add_request(r.request_id, prompt, SamplingParams(**r.sampling), priority=r.priority)
+        sampling = dict(r.sampling)
+        if sampling.get("structured_outputs") is not None:
+            sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
+        llm.llm_engine.add_request(r.request_id, prompt, SamplingParams(**sampling), priority=r.priority)

@@ -1,18 +1,45 @@
 """The request ledger: in-flight vLLM requests as JSON, and back to resubmissions.
 
-Schema ``gpuckpt-vllm-ledger`` version 1: ``data`` is
-``{"step": int, "block_size": int, "requests": [entry, …]}`` with one entry
-per request the scheduler held at the captured step boundary::
+Schema ``gpuckpt-vllm-ledger`` version 2 (version 1 is still read): ``data``
+is ``{"step": int, "block_size": int, "requests": [entry, …]}`` with one
+entry per request the scheduler held at the captured step boundary::
 
     {"request_id": internal id, "client_request_id": id the client gave,
      "prompt_token_ids": [...], "output_token_ids": [...],
      "num_computed_tokens": tokens whose KV the capture holds,
      "max_tokens": original budget, "remaining_max_tokens": int,
      "min_tokens": int, "sampling": {public SamplingParams fields},
+     "structured_outputs": {regex|json|choice|grammar|json_object|
+                            structural_tag, options…, "backend": name} | null,
+     "exact": bool, "inexact_reasons": [why this request cannot continue
+                                        exactly after a restore, …],
      "cache_salt": str|null, "lora": str|null, "priority": int,
      "arrival_time": float,
      "generator_state": base64 of torch.Generator.get_state() — seeded
-                        requests only, added by the connector after the copy}
+                        requests on the V1 model runner only, added by the
+                        connector after the copy}
+
+**What continues exactly** (``exact: true``): a request resubmitted as
+prompt + outputs continues from the exact next token when everything that
+decides its next token is carried:
+
+- greedy and seeded sampling (the V1 runner's ``torch.Generator`` state is
+  ``generator_state``, set before the first restored sample; Model Runner V2
+  derives its noise from seed and position, which prompt + outputs keep);
+- stateless parameters: temperature, top-p/k, min-p, ``logit_bias``,
+  ``allowed_token_ids``, stop token ids, ``ignore_eos``, ``logprobs``;
+- counters: ``max_tokens`` and ``min_tokens`` are reduced by the outputs so far;
+- frequency / presence penalties and ``bad_words``, which look at *outputs*
+  only: the connector hands the worker the earlier outputs
+  (:data:`PRIOR_OUTPUTS_NEEDED`) and puts them in front of the restored
+  request's outputs in the sampler's view (V1 runner, synchronous scheduling);
+  the repetition penalty covers prompt and outputs alike and needs nothing;
+- structured outputs: the grammar is compiled anew and advanced by the
+  earlier outputs before the first restored token is constrained.
+
+Anything else is recorded with ``exact: false`` and the reasons; a restore
+resubmits such a request all the same (its KV is correct) and reports it as
+"replayed cold because …" — never as an exact continuation.
 
 ``generator_state`` is the sampler's random state before the captured step's
 sample, i.e. after exactly the entry's outputs; a warm restore sets it before
@@ -22,16 +49,20 @@ continuation then differs from the uninterrupted run).
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from agent.engines.base import Resubmission
 from ckpt import Ledger
+from ckpt.errors import FormatError
 
 SCHEMA = "gpuckpt-vllm-ledger"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
 
-# Public SamplingParams fields that are plain JSON. Anything else (structured
-# outputs, logits processors) is refused at capture time rather than dropped.
+# Public SamplingParams fields that are plain JSON (structured outputs are
+# carried apart, see STRUCTURED_FIELDS).
 SAMPLING_FIELDS = (
     "n",
     "presence_penalty",
@@ -64,29 +95,91 @@ def client_id(internal: str) -> str:
     return head if sep and len(tail) == 8 else internal
 
 
+#: Sampling fields that look at the request's earlier *outputs*: prompt +
+#: outputs resubmitted would count those outputs as prompt. The connector
+#: corrects this on the V1 model runner (see the module docstring).
+PRIOR_OUTPUTS_NEEDED = ("frequency_penalty", "presence_penalty", "bad_words")
+
+#: Structured-output fields carried to the resubmission (one constraint + options).
+STRUCTURED_FIELDS = (
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "json_object",
+    "structural_tag",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+)
+
+#: Grammar backends whose matcher the scheduler half can advance by the earlier
+#: outputs (vLLM's ``StructuredOutputGrammar.accept_tokens``).
+GRAMMAR_BACKENDS = ("xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+_PARALLEL_CHILD = re.compile(r"^\d+_")
+
+
+@dataclass(frozen=True)
+class RunnerFacts:
+    """What the worker's model runner does with a request's state (from the engine config)."""
+
+    model_runner: str = "v1"  # "v1": a torch.Generator per seeded request; "v2": stateless sampling
+    async_scheduling: bool = False
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, (set, frozenset)):
+        return sorted(v)
+    if isinstance(v, tuple):
+        return list(v)
+    if isinstance(v, dict):
+        return {str(k): val for k, val in v.items()}
+    return v
+
+
 def sampling_to_json(sp: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in SAMPLING_FIELDS:
-        v = getattr(sp, name, None)
-        if v is None:
-            continue
-        if isinstance(v, (set, frozenset, tuple)):
-            v = sorted(v) if isinstance(v, (set, frozenset)) else list(v)
-        if isinstance(v, dict):
-            v = {str(k): val for k, val in v.items()}
-        out[name] = v
-    if getattr(sp, "structured_outputs", None) is not None:
-        raise ValueError("structured outputs are not carried by the ledger yet")
+    """The public, JSON-able sampling fields of a ``SamplingParams`` (structured outputs apart)."""
+    return {name: _plain(v) for name in SAMPLING_FIELDS if (v := getattr(sp, name, None)) is not None}
+
+
+def structured_to_json(sp: Any) -> dict[str, Any] | None:
+    """A request's structured-output constraint as JSON, with the backend the engine chose."""
+    so = getattr(sp, "structured_outputs", None)
+    if so is None:
+        return None
+    out = {name: _plain(v) for name in STRUCTURED_FIELDS if (v := getattr(so, name, None)) not in (None, False)}
+    out["backend"] = getattr(so, "_backend", None)
     return out
 
 
-def request_entry(req: Any, kv_tokens: int) -> dict[str, Any]:
-    """A live ``vllm.v1.request.Request`` as a ledger entry (called on the scheduler thread)."""
+def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
+    """Why ``entry`` cannot continue from the exact next token after a restore (empty: it can)."""
+    reasons = []
+    sampling = entry["sampling"]
+    if entry["output_token_ids"]:
+        needs_prior = [f for f in PRIOR_OUTPUTS_NEEDED if sampling.get(f)]
+        if needs_prior and (runner.model_runner != "v1" or runner.async_scheduling):
+            reasons.append(
+                f"{', '.join(needs_prior)} count earlier outputs, which the restored request cannot be given on "
+                f"model runner {runner.model_runner}{' with async scheduling' if runner.async_scheduling else ''}"
+            )
+        so = entry.get("structured_outputs")
+        if so is not None and so.get("backend") not in GRAMMAR_BACKENDS:
+            reasons.append(f"structured outputs: grammar backend {so.get('backend')!r} cannot be advanced")
+    if _PARALLEL_CHILD.match(entry["request_id"]) and sampling.get("n", 1) == 1:
+        reasons.append("a parallel-sampling (n > 1) choice: resubmitted as a request of its own")
+    return reasons
+
+
+def request_entry(req: Any, kv_tokens: int, runner: RunnerFacts = RunnerFacts()) -> dict[str, Any]:
+    """A live ``vllm.v1.request.Request`` as a ledger entry (called on the scheduler thread; never raises
+    for a request it cannot carry exactly: that is recorded in ``exact`` / ``inexact_reasons``)."""
     sp = req.sampling_params
     outputs = list(req.output_token_ids)
     max_tokens = int(req.max_tokens)
     lora = getattr(req, "lora_request", None)
-    return {
+    entry: dict[str, Any] = {
         "request_id": req.request_id,
         "client_request_id": client_id(req.request_id),
         "prompt_token_ids": list(req.prompt_token_ids or []),
@@ -96,11 +189,18 @@ def request_entry(req: Any, kv_tokens: int) -> dict[str, Any]:
         "remaining_max_tokens": max(0, max_tokens - len(outputs)),
         "min_tokens": int(getattr(sp, "min_tokens", 0) or 0),
         "sampling": sampling_to_json(sp),
+        "structured_outputs": structured_to_json(sp),
         "cache_salt": req.cache_salt,
         "lora": getattr(lora, "lora_name", None),
         "priority": int(req.priority),
         "arrival_time": float(req.arrival_time),
     }
+    if req.prompt_token_ids is None:
+        entry["inexact_reasons"] = ["prompt embeddings are not carried by the ledger"]
+    else:
+        entry["inexact_reasons"] = inexact_reasons(entry, runner)
+    entry["exact"] = not entry["inexact_reasons"]
+    return entry
 
 
 def make_ledger(entries: list[dict[str, Any]], *, step: int, block_size: int) -> Ledger:
@@ -109,18 +209,40 @@ def make_ledger(entries: list[dict[str, Any]], *, step: int, block_size: int) ->
     )
 
 
-def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
-    """The requests to submit again: prompt + outputs so far, the rest of the budget."""
+def read(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
+    """The entries of a ledger this code can read (version 1 or 2), or :class:`ckpt.FormatError`."""
     d = ledger.model_dump(by_alias=True) if isinstance(ledger, Ledger) else ledger
-    if d.get("schema") != SCHEMA or d.get("version") != VERSION:
-        raise ValueError(f"not a {SCHEMA} v{VERSION} ledger: {d.get('schema')!r} v{d.get('version')!r}")
+    if d.get("schema") != SCHEMA or d.get("version") not in READABLE:
+        raise FormatError(f"not a {SCHEMA} ledger of version {READABLE}: {d.get('schema')!r} v{d.get('version')!r}")
+    entries = d.get("data", {}).get("requests")
+    if not isinstance(entries, list):
+        raise FormatError(f"{SCHEMA}: data.requests is not a list")
+    return entries
+
+
+def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
+    """The requests to submit again: prompt + outputs so far, the rest of the budget.
+
+    Each carries ``exact`` and ``reasons`` from the ledger: a request that
+    cannot continue exactly is still resubmitted (it finishes), and its
+    reasons say why it is a cold replay rather than a continuation.
+    """
     out = []
-    for e in d["data"]["requests"]:
+    for e in read(ledger):
         if e["remaining_max_tokens"] <= 0:
             continue
         sampling = dict(e["sampling"])
         sampling["max_tokens"] = e["remaining_max_tokens"]
         sampling["min_tokens"] = max(0, e["min_tokens"] - len(e["output_token_ids"]))
+        # Prompt logprobs were delivered with the first tokens; over prompt +
+        # outputs they would be a different thing (and defeat the cache).
+        sampling.pop("prompt_logprobs", None)
+        so = e.get("structured_outputs")
+        if so:
+            sampling["structured_outputs"] = {k: v for k, v in so.items() if k != "backend"}
+        reasons = list(e.get("inexact_reasons") or [])
+        if "exact" not in e:  # a version-1 ledger did not judge its requests
+            reasons = inexact_reasons({**e, "structured_outputs": None}, RunnerFacts())
         out.append(
             Resubmission(
                 request_id=e["client_request_id"],
@@ -130,6 +252,8 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 sampling=sampling,
                 priority=e["priority"],
                 cache_salt=e["cache_salt"],
+                exact=not reasons,
+                reasons=tuple(reasons),
             )
         )
     return out

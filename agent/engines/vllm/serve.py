@@ -49,7 +49,7 @@ CONNECTOR = "GpuckptConnector"
 
 # The ledger's sampling fields all have a completions-body field of the same
 # name; "n" is not sent (each ledger entry is one choice, resubmitted alone).
-_BODY_FIELDS = tuple(f for f in SAMPLING_FIELDS if f != "n")
+_BODY_FIELDS = (*(f for f in SAMPLING_FIELDS if f != "n"), "structured_outputs")
 
 _CMPL_ID = re.compile(r"^cmpl-(?P<base>.+)-(?P<choice>\d+)$")
 
@@ -63,7 +63,13 @@ def kv_transfer_config(control_socket: str, staging_dir: str | None = None, **ex
     cfg: dict[str, Any] = {"control_socket": control_socket, **extra}
     if staging_dir is not None:
         cfg["staging_dir"] = staging_dir
-    return {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+    # A block that fails to load is recomputed, not a failed request.
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": cfg,
+    }
 
 
 def serve_command(

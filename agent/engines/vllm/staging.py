@@ -146,6 +146,13 @@ class PageWriter:
         self.data_path.unlink(missing_ok=True)
 
 
+def unlink_pair(index_path: str | os.PathLike[str]) -> None:
+    """Delete a page file (index and data); missing parts are fine."""
+    p = Path(index_path)
+    p.with_suffix(".bin").unlink(missing_ok=True)
+    p.unlink(missing_ok=True)
+
+
 class PageFile:
     """A committed page file, memory-mapped read-only."""
 
