@@ -2,9 +2,14 @@
 the save pipeline fed from CUDA memory through pinned staging on a side stream.
 
 Prints the device→host copy alone (GB/s) and the save pipeline's throughput as
-a ratio to it. Run on a host with a CUDA GPU:
+a ratio to it. With ``--vllm`` (vLLM's CUDA build installed), also checkpoints
+a live worker on the default GPU backend (FLASH_ATTN on SM90) mid-decode,
+SIGKILLs it and restores into a fresh one: warm, canary matched, every
+continuation token-identical to the uninterrupted run, the named backend and
+page format in the manifest; with two GPUs the same at TP=2, and TP=2 → TP=1.
+Run on a host with a CUDA GPU:
 
-    python bench/gpu_check.py [--mib 1024]
+    python bench/gpu_check.py [--mib 1024] [--vllm]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +36,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--block-mib", type=int, default=2)
+    ap.add_argument("--vllm", action="store_true", help="also checkpoint and restore a live vLLM worker")
     args = ap.parse_args()
     facts = host_facts()
     print("host facts:", json.dumps(facts.model_dump(mode="json"), indent=2))
@@ -71,7 +78,95 @@ def main() -> int:
         want = {k: v.cpu().view(torch.uint8).numpy().tobytes() for k, v in pages[:4]}
         got = {b.key: bytes(b.data) for b in repo.load(m.id, keys=list(want))}
         print("round trip of sampled pages:", "ok" if got == want else "MISMATCH")
-    return 0
+        ok = got == want
+    if args.vllm:
+        ok = vllm_checks() and ok
+    return 0 if ok else 1
+
+
+def vllm_checks() -> bool:
+    """Warm restore of a live worker on this GPU (TP=1; TP=2 and TP=2 → TP=1 with two GPUs)."""
+    import importlib
+
+    import vllm  # noqa: F401  (fails early where vLLM is missing)
+
+    # The test suite's worker script is the one to run here; imported by name
+    # so that mypy's strict check of bench/ does not follow into the tests.
+    run_worker = importlib.import_module("tests.vllm.conftest").run_worker
+
+    ok = True
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = tiny_model(tmp / "model")
+        base: dict[str, Any] = {
+            "model": str(model),
+            "repo": str(tmp / "repo"),
+            "dtype": "bfloat16",
+            "block_size": 16,
+            "gpu_memory_utilization": 0.2,
+            "max_tokens": 160,
+        }
+        tps = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+        for tp in tps:
+            a = run_worker(
+                {
+                    **base,
+                    "mode": "checkpoint",
+                    "tp": tp,
+                    "socket": str(tmp / f"a{tp}.sock"),
+                    "staging": str(tmp / f"sa{tp}"),
+                },
+                tmp,
+                kill_after_result=True,
+            )
+            m = Repository.open(base["repo"]).manifest(a["checkpoint"])
+            print(
+                f"TP={tp} checkpoint: backend {m.pins.worker.attention_backend}, "
+                f"page format {m.pins.worker.kv_layout}, "
+                f"shards {[s['kv_heads'] for s in m.layout['shards']]}"
+            )
+            for into in sorted({tp, 1}):
+                b = run_worker(
+                    {
+                        **base,
+                        "mode": "restore",
+                        "tp": into,
+                        "checkpoint": a["checkpoint"],
+                        "turn1": a["turn1"],
+                        "socket": str(tmp / f"b{tp}{into}.sock"),
+                        "staging": str(tmp / f"sb{tp}{into}"),
+                    },
+                    tmp,
+                )
+                same = all(b["restored"][r]["full"] == ref for r, ref in a["reference"].items())
+                cached = all(v["num_cached_tokens"] == v["prompt_len"] - 1 for v in b["restored"].values())
+                print(
+                    f"  restore TP={tp} -> TP={into}: warm={b['warm']} {b['reasons']} canary="
+                    f"{b['restore_stats'].get('canary', {}).get('match')} token-identical={same} "
+                    f"one-token-recompute={cached}"
+                )
+                ok = ok and b["warm"] and same and cached
+    return ok
+
+
+def tiny_model(path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def test_penalties_and_structured_outputs_continue_exactly(runs: dict) -> None:
     assert b["warm"], b["reasons"]
     for rid, ref in a["reference"].items():
         got = b["restored"][rid]["full"]
-        assert got == ref, f"{rid}: first difference at {next(i for i, (x, y) in enumerate(zip(got, ref)) if x != y)}"
+        first = next((i for i, (x, y) in enumerate(zip(got, ref, strict=False)) if x != y), min(len(got), len(ref)))
+        assert got == ref, f"{rid}: first difference at token {first} (prompt {a['prompt_lens'][rid]})"
         assert b["restored"][rid]["num_cached_tokens"] == b["restored"][rid]["prompt_len"] - 1, rid
     applied = b["connector"]["states_applied"]
     assert "prior_outputs" in applied["penalised0"]

@@ -549,7 +549,9 @@ class GpuckptConnector(KVConnectorBase_V1):
         for rid, req in self._live.items():
             if req.is_finished():
                 continue
-            kv_tokens = req.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0)
+            # With async scheduling the step being planned may hold KV of a
+            # token whose id is not back yet: claim only the tokens we know.
+            kv_tokens = min(req.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0), req.num_tokens)
             try:
                 ids = self._kv_cache_manager.get_block_ids(rid)[0]
             except (KeyError, IndexError):

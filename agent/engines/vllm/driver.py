@@ -402,6 +402,8 @@ def submit(llm: Any, requests: list[Resubmission]) -> None:
         if r.cache_salt is not None:
             prompt["cache_salt"] = r.cache_salt
         sampling = dict(r.sampling)
+        if sampling.get("logit_bias"):  # JSON keys are strings; the offline API takes token ids
+            sampling["logit_bias"] = {int(k): float(v) for k, v in sampling["logit_bias"].items()}
         if sampling.get("structured_outputs") is not None:
             sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
         llm.llm_engine.add_request(r.request_id, prompt, SamplingParams(**sampling), priority=r.priority)

@@ -167,6 +167,9 @@ def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
         so = entry.get("structured_outputs")
         if so is not None and so.get("backend") not in GRAMMAR_BACKENDS:
             reasons.append(f"structured outputs: grammar backend {so.get('backend')!r} cannot be advanced")
+    if sampling.get("seed") is not None and runner.model_runner == "v1" and runner.async_scheduling:
+        # the generator is read a sample ahead of the outputs the ledger knows
+        reasons.append("seeded sampling on model runner v1 with async scheduling: the sampler state runs ahead")
     if _PARALLEL_CHILD.match(entry["request_id"]) and sampling.get("n", 1) == 1:
         reasons.append("a parallel-sampling (n > 1) choice: resubmitted as a request of its own")
     return reasons
