@@ -149,7 +149,7 @@ def bench_model(
         out["checkpoint"] = {}
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
-            m = driver.checkpoint(w.control_socket, repo, f"bench-{name}")
+            m = driver.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate)
             st = driver.last_checkpoint_stats()
             tokens = st["pages"] * 32
             out["checkpoint"][store] = {
@@ -170,7 +170,11 @@ def bench_model(
         with worker() as w:
             t0 = time.monotonic()
             plan = driver.restore(
-                repo, out["checkpoint"][store]["id"], w.control_socket, staging_dir=str(tmp / "stage-r")
+                repo,
+                out["checkpoint"][store]["id"],
+                w.control_socket,
+                staging_dir=str(tmp / "stage-r"),
+                generate=w.client.generate,
             )
             out["restore"][store] = {"warm": plan.warm, "reasons": plan.reasons, "restore_s": time.monotonic() - t0}
             measure(w, f"restored/{store}")

@@ -201,12 +201,18 @@ def restore_cmd(
         bool, typer.Option("--dry-run", help="Print the plan and the compatibility table; change nothing.")
     ] = False,
     ignore: Annotated[list[str] | None, typer.Option("--ignore", metavar="RULE", help="Disregard this rule.")] = None,
+    unchecked: Annotated[
+        bool,
+        typer.Option("--unchecked", help="Allow a warm restore without the canary probe (no --worker-url)."),
+    ] = False,
     repo: Annotated[str | None, typer.Option("--repo", "-r", metavar="URL", show_default=False)] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="SOURCE", show_default=False)] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Restore CKPT into a fresh worker: warm if every pin matches, else cold with ledger replay.
 
+    A warm restore needs the canary probe to match on the worker's API
+    (--worker-url); without it the restore is cold unless --unchecked.
     --dry-run exits 5 when a warm restore would be refused.
     """
     from agent.engines.vllm import driver
@@ -258,7 +264,14 @@ def restore_cmd(
             return
         client = ServeClient(worker_url) if worker_url else None
         try:
-            result = driver.restore(r, m.id, connector, policy=policy, generate=client.generate if client else None)
+            result = driver.restore(
+                r,
+                m.id,
+                connector,
+                policy=policy,
+                generate=client.generate if client else None,
+                require_canary=not unchecked,
+            )
             outputs: dict[str, Any] = {}
             if client is not None and result.requests:
                 try:

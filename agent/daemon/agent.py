@@ -423,6 +423,7 @@ class Agent:
                 self.cfg.connector_socket,
                 policy=Policy.from_strings(ignore=self.cfg.restore.ignore_rules),
                 generate=client.generate if client is not None else None,
+                require_canary=self.cfg.restore.require_canary,
             )
         except Exception as exc:
             rep.update(outcome="failed", reasons=[_describe(exc)])

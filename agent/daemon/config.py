@@ -121,6 +121,11 @@ class RestoreConfig(_Section):
     checkpoint: str = Field("latest", description="'latest' (this worker's newest) or a checkpoint id")
     ignore_rules: list[str] = Field(default_factory=list, description="compatibility rules not to enforce")
     wait_for_worker: Duration = timedelta(minutes=10)
+    require_canary: bool = Field(
+        True,
+        description="warm only after the canary probe matched on the worker's API (worker_url); false accepts "
+        "an unchecked warm restore",
+    )
 
 
 class RetentionConfig(_Section):

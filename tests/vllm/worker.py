@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+COMPACT_JSON = {"backend": "xgrammar", "disable_any_whitespace": True}
+
 
 def make_llm(a: dict):
     from vllm import LLM
@@ -47,7 +49,7 @@ def make_llm(a: dict):
         enable_prefix_caching=True,
         kv_transfer_config=kv_config(a),
         # a random model fills JSON with whitespace: keep the schema's output bounded
-        **({"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}} if a.get("tokenizer") else {}),
+        **({"structured_outputs_config": COMPACT_JSON} if a.get("tokenizer") else {}),
     )
     return llm, time.monotonic() - t0
 
@@ -294,7 +296,7 @@ def main() -> None:
         res["connector"] = driver.stats(a["socket"])
         res["extra_restores"] = {}
         for ref in a.get("extra_restores", []):
-            plan = driver.restore(repo, ref, a["socket"], staging_dir=a["staging"])
+            plan = driver.restore(repo, ref, a["socket"], staging_dir=a["staging"], generate=make_generate(llm, {}))
             res["extra_restores"][ref] = {"warm": plan.warm, "reasons": plan.reasons}
             driver.control.call(a["socket"], "withdraw")
         if a.get("canary_fault"):

@@ -261,8 +261,13 @@ def restore(
     staging_dir: str | os.PathLike[str] | None = None,
     policy: Policy = STRICT,
     generate: canary_mod.Generate | None = None,
+    require_canary: bool = True,
 ) -> RestorePlan:
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
+
+    A warm restore is never handed back on an unchecked cache: unless
+    ``require_canary`` is false, a checkpoint without a recorded canary, or
+    a caller without ``generate``, gets a cold plan that says so.
 
     Returns the requests to resubmit either way; ``warm`` says whether the
     worker was offered the checkpoint's blocks, ``reasons`` why not. Each
@@ -282,6 +287,10 @@ def restore(
     if dict(m.namespace) != dict(desc.namespace_fields):
         reasons.append(f"namespace: checkpoint {m.namespace} != worker {dict(desc.namespace_fields)}")
     reasons += _shard_reasons(m)
+    if require_canary and m.canary is None:
+        reasons.append(f"canary: checkpoint {m.id} recorded no probe, so a warm restore could not be checked")
+    elif require_canary and generate is None:
+        reasons.append("canary: no worker API to run the probe on, so a warm restore could not be checked")
 
     def cold(why: list[str], stats: dict[str, Any]) -> RestorePlan:
         states, problems = _request_states(m, warm=False)
