@@ -1,0 +1,178 @@
+"""Units of the vLLM adapter that need no engine: the ledger's judgement, shards, request states."""
+
+from __future__ import annotations
+
+import base64
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.engines.vllm import shards
+from agent.engines.vllm.ledger import RunnerFacts, inexact_reasons, make_ledger, resubmissions
+
+
+def entry(**kw: Any) -> dict[str, Any]:
+    e: dict[str, Any] = {
+        "request_id": "cmpl-a-0-12345678",
+        "client_request_id": "cmpl-a-0",
+        "prompt_token_ids": [1, 2, 3],
+        "output_token_ids": [4, 5],
+        "num_computed_tokens": 4,
+        "max_tokens": 10,
+        "remaining_max_tokens": 8,
+        "min_tokens": 5,
+        "sampling": {"temperature": 0.0, "max_tokens": 10, "prompt_logprobs": 2},
+        "structured_outputs": None,
+        "cache_salt": None,
+        "lora": None,
+        "priority": 0,
+        "arrival_time": 0.0,
+    }
+    e.update(kw)
+    e.setdefault("inexact_reasons", inexact_reasons(e, RunnerFacts()))
+    e["exact"] = not e["inexact_reasons"]
+    return e
+
+
+def test_penalties_are_exact_on_the_v1_runner_and_reported_elsewhere() -> None:
+    e = entry(sampling={"frequency_penalty": 0.8, "presence_penalty": 0.5})
+    assert inexact_reasons(e, RunnerFacts("v1", False)) == []
+    (why,) = inexact_reasons(e, RunnerFacts("v2", False))
+    assert "frequency_penalty, presence_penalty" in why
+    assert "v2" in why
+    assert "async" in inexact_reasons(e, RunnerFacts("v1", True))[0]
+
+
+def test_an_unknown_grammar_backend_and_parallel_choices_are_reported() -> None:
+    e = entry(structured_outputs={"regex": "a+", "backend": "my-backend"})
+    assert inexact_reasons(e, RunnerFacts()) == ["structured outputs: grammar backend 'my-backend' cannot be advanced"]
+    e = entry(request_id="1_cmpl-a-0-12345678", sampling={"n": 1})
+    assert "parallel-sampling" in inexact_reasons(e, RunnerFacts())[0]
+
+
+def test_resubmissions_carry_budget_constraint_and_judgement() -> None:
+    led = make_ledger(
+        [
+            entry(structured_outputs={"json": {"type": "array"}, "backend": "xgrammar"}),
+            entry(client_request_id="b", structured_outputs={"regex": "x", "backend": "odd"}),
+        ],
+        step=1,
+        block_size=32,
+    )
+    a, b = resubmissions(led)
+    assert a.token_ids == [1, 2, 3, 4, 5]
+    assert a.sampling["max_tokens"] == 8
+    assert a.sampling["min_tokens"] == 3
+    assert "prompt_logprobs" not in a.sampling  # delivered with the first tokens
+    assert a.sampling["structured_outputs"] == {"json": {"type": "array"}}
+    assert a.exact
+    assert not b.exact
+    assert "odd" in b.reasons[0]
+
+
+def test_heads_of_each_rank() -> None:
+    assert shards.local_heads(1, 2, 8, 4) == shards.Heads(4, 4, 8)
+    assert shards.local_heads(3, 4, 2, 1) == shards.Heads(1, 1, 2)  # replicas: ranks 2 and 3 hold head 1
+    with pytest.raises(shards.ShardError, match="rank 0 of 2: KV tensors hold 3 heads, expected 4"):
+        shards.local_heads(0, 2, 8, 3)
+
+
+def test_check_cover_names_the_missing_rank() -> None:
+    recs = [{"rank": 0, "kv_heads": [0, 2]}, {"rank": 1, "kv_heads": [2, 2]}]
+    shards.check_cover(recs, 4, 2)
+    with pytest.raises(shards.ShardError, match="rank 1's part is missing"):
+        shards.check_cover(recs[:1], 4, 2)
+    with pytest.raises(shards.ShardError, match="rank 1's part holds heads from 3, expected 2"):
+        shards.check_cover([recs[0], {"rank": 1, "kv_heads": [3, 2]}], 4, 2)
+
+
+@pytest.mark.parametrize(("tp", "total"), [(1, 4), (2, 4), (4, 4), (4, 2)])
+def test_join_then_split_gives_every_rank_its_own_heads_back(tp: int, total: int) -> None:
+    rng = np.random.default_rng(tp * 10 + total)
+    layers, bs, c = 3, 4, 6
+    full = [rng.standard_normal((layers, total, bs, c)).astype(np.float32) for _ in range(5)]  # 5 blocks
+    count = max(1, total // tp)
+    recs, per_rank = [], []
+    for r in range(tp):
+        h = shards.local_heads(r, tp, total, count)
+        recs.append({"rank": r, "kv_heads": [h.start, h.count]})
+        per_rank.append(
+            iter(
+                [
+                    memoryview(np.ascontiguousarray(p[:, h.start : h.start + h.count]).view(np.uint8).reshape(-1))
+                    for p in full
+                ]
+            )
+        )
+    joined = list(
+        shards.join(per_rank, recs, dtype="float32", shard_shape=(layers, count, bs, c), head_axis=0, total=total)
+    )
+    assert [bytes(j) for j in joined] == [p.tobytes() for p in full]
+
+
+def test_join_refuses_a_rank_with_fewer_pages() -> None:
+    page = memoryview(np.zeros((1, 1, 2, 2), np.float32).view(np.uint8).reshape(-1))
+    recs = [{"rank": 0, "kv_heads": [0, 1]}, {"rank": 1, "kv_heads": [1, 1]}]
+    with pytest.raises(shards.ShardError, match="rank 1's page file has fewer pages"):
+        list(
+            shards.join(
+                [iter([page, page]), iter([page])],
+                recs,
+                dtype="float32",
+                shard_shape=(1, 1, 2, 2),
+                head_axis=0,
+                total=2,
+            )
+        )
+
+
+def test_worker_meta_of_every_rank_is_kept() -> None:
+    pytest.importorskip("vllm")
+    from agent.engines.vllm.connector import GpuckptWorkerMeta
+
+    merged = GpuckptWorkerMeta({1: {0: {"index": "r0"}}}).aggregate(
+        GpuckptWorkerMeta({1: {1: {"error": "x"}}, 2: {1: {}}})
+    )
+    assert isinstance(merged, GpuckptWorkerMeta)
+    assert merged.done == {1: {0: {"index": "r0"}, 1: {"error": "x"}}, 2: {1: {}}}
+
+
+def test_malformed_request_states_are_rejected_one_by_one() -> None:
+    pytest.importorskip("vllm")
+    from agent.engines.vllm.connector import _check_states
+
+    ok, rejected = _check_states(
+        {
+            "good": {"generator_state": base64.b64encode(b"\x01" * 16).decode(), "prior_outputs": [1, 2]},
+            "bad-b64": {"generator_state": "not base64!"},
+            "bad-prior": {"prior_outputs": ["x"]},
+            "not-a-dict": 3,
+        }
+    )
+    assert set(ok) == {"good"}
+    assert set(rejected) == {"bad-b64", "bad-prior", "not-a-dict"}
+    assert "prior_outputs" in rejected["bad-prior"]
+
+
+def test_a_corrupt_generator_state_replays_that_request_cold_and_nothing_else() -> None:
+    from agent.engines.vllm.driver import _annotate, _request_states
+
+    entries = [
+        entry(client_request_id="seeded", generator_state="%%%corrupt%%%", sampling={"seed": 1}),
+        entry(client_request_id="pen", sampling={"frequency_penalty": 0.5}),
+        entry(client_request_id="plain"),
+    ]
+    m = SimpleNamespace(ledger=make_ledger(entries, step=1, block_size=32))
+    states, problems = _request_states(m, warm=True)  # type: ignore[arg-type]
+    assert set(states) == {"pen"}
+    assert states["pen"] == {"prior_outputs": [4, 5]}
+    assert list(problems) == ["seeded"]
+    assert "generator state is corrupt" in problems["seeded"][0]
+    reqs = {r.request_id: r for r in _annotate(resubmissions(m.ledger), problems)}
+    assert not reqs["seeded"].exact
+    assert reqs["pen"].exact
+    assert reqs["plain"].exact
+    _, cold = _request_states(m, warm=False)  # type: ignore[arg-type]
+    assert "warm restore only" in cold["seeded"][0]
