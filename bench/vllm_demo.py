@@ -110,9 +110,10 @@ def main() -> None:
         ]
         for t in threads:
             t.start()
-        driver.wait_for_steps(a_w.control_socket, live=len(turn2), steps=60)
+        when = {"live": len(turn2), "min_outputs": 60}
+        driver.wait_until(a_w.control_socket, **when)
         t0 = time.monotonic()
-        m = driver.checkpoint(a_w.control_socket, repo, "demo-worker", generate=a_w.client.generate)
+        m = driver.checkpoint(a_w.control_socket, repo, "demo-worker", generate=a_w.client.generate, when=when)
         ckpt_s = time.monotonic() - t0
         st = driver.last_checkpoint_stats()
     finally:

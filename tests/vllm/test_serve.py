@@ -93,8 +93,10 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
             t.start()
         # Pace by the engine, not by the streams: the API server can lag the
         # engine by hundreds of tokens on 2 busy cores.
-        driver.wait_for_steps(a.control_socket, live=len(prompts), steps=40)
-        m = driver.checkpoint(a.control_socket, repo, "w0", generate=a.client.generate)
+        # judged on the engine's scheduler thread at each step: no poll can miss it
+        when = {"live": len(prompts), "min_outputs": 40}
+        driver.wait_until(a.control_socket, **when)
+        m = driver.checkpoint(a.control_socket, repo, "w0", generate=a.client.generate, when=when)
         for t in threads:
             t.join(300)
         assert not errors, errors

@@ -218,6 +218,17 @@ class _Waiter:
     event: threading.Event = field(default_factory=threading.Event)
     reply: dict[str, Any] | None = None
     requested: float = field(default_factory=time.monotonic)
+    # {"live": n, "min_outputs": k}: wait for a step boundary where at least n
+    # unfinished requests have k outputs each (judged on the scheduler thread)
+    when: dict[str, int] | None = None
+
+
+def _condition(raw: Any) -> dict[str, int] | None:
+    if not raw:
+        return None
+    if not isinstance(raw, dict) or not set(raw) <= {"live", "min_outputs"}:
+        raise ValueError(f"a condition is {{'live': n, 'min_outputs': k}}, not {raw!r}")
+    return {k: int(v) for k, v in raw.items()}
 
 
 def _check_states(raw: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
@@ -282,6 +293,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._step = 0
         self._capture_seq = 0
         self._capture_requests: list[_Waiter] = []
+        self._step_waiters: list[_Waiter] = []
         # seq → (waiters, info, each rank's report so far)
         self._captures: dict[int, tuple[list[_Waiter], dict[str, Any], dict[int, dict[str, Any]]]] = {}
         self._offer: dict[bytes, str] = {}  # key → page file index path
@@ -349,7 +361,9 @@ class GpuckptConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         # A capture in flight keeps an idle engine stepping until the worker
         # half reports its page file (written off the step, one or more steps later).
-        return bool(self._capture_requests or self._captures or self._tail_copies or self._tails_inflight)
+        # (Conditional waiters wait for requests, which keep the engine stepping themselves.)
+        unconditional = any(not w.when for w in self._capture_requests)
+        return bool(unconditional or self._captures or self._tail_copies or self._tails_inflight)
 
     @_hook(_nothing)
     def on_new_request(self, request: Request) -> None:
@@ -507,14 +521,35 @@ class GpuckptConnector(KVConnectorBase_V1):
                 self._tail_keys[bytes.fromhex(key_hex)] = None
                 while len(self._tail_keys) > self._tail_cap:
                     meta.tail_drop.append(self._tail_keys.popitem(last=False)[0].hex())
-            if self._capture_requests:
+            if self._step_waiters:
+                met = [w for w in self._step_waiters if self._met(w.when)]
+                if met:
+                    self._step_waiters = [w for w in self._step_waiters if w not in met]
+                    self._answer(met, {"ok": True, **self._progress()})
+            ready = [w for w in self._capture_requests if self._met(w.when)]
+            if ready:
+                self._capture_requests = [w for w in self._capture_requests if w not in ready]
                 try:
-                    meta.capture = self._plan_capture(scheduler_output)
+                    meta.capture = self._plan_capture(scheduler_output, ready)
                 except Exception as exc:  # the capture fails; the step goes on
                     log.exception("gpuckpt: planning a capture failed")
-                    self._answer(self._capture_requests, {"ok": False, "error": f"planning the capture failed: {exc}"})
-                    self._capture_requests = []
+                    self._answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
         return meta
+
+    def _met(self, when: dict[str, int] | None) -> bool:
+        """Whether this step boundary satisfies a waiter's condition (lock held)."""
+        if not when:
+            return True
+        k = when.get("min_outputs", 0)
+        n = sum(1 for r in self._live.values() if not r.is_finished() and r.num_output_tokens >= k)
+        return n >= when.get("live", 0)
+
+    def _progress(self) -> dict[str, Any]:
+        return {
+            "step": self._step,
+            "live": len(self._live),
+            "outputs": {client_id(rid): int(r.num_output_tokens) for rid, r in self._live.items()},
+        }
 
     @staticmethod
     def _answer(waiters: list[_Waiter], reply: dict[str, Any]) -> None:
@@ -522,7 +557,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             w.reply = reply
             w.event.set()
 
-    def _plan_capture(self, so: SchedulerOutput) -> dict[str, Any]:
+    def _plan_capture(self, so: SchedulerOutput, waiters: list[_Waiter]) -> dict[str, Any]:
         from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 
         if self._pp != 1:
@@ -572,8 +607,6 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._capture_seq += 1
         seq = self._capture_seq
         ledger = make_ledger(entries, step=self._step, block_size=bs)
-        waiters = self._capture_requests
-        self._capture_requests = []
         name = f"capture-{os.getpid()}-{seq}"
         info = {
             "seq": seq,
@@ -652,15 +685,18 @@ class GpuckptConnector(KVConnectorBase_V1):
             return {"ok": True, "pid": os.getpid()}
         if cmd == "describe":
             return {"ok": True, **self._describe()}
-        if cmd == "capture":
-            w = _Waiter()
+        if cmd in ("capture", "wait"):
+            w = _Waiter(when=_condition(req.get("when")))
             with self._lock:
-                self._capture_requests.append(w)
+                (self._capture_requests if cmd == "capture" else self._step_waiters).append(w)
             self._wake()
             if not w.event.wait(float(req.get("timeout", 60))):
                 with self._lock:
-                    if w in self._capture_requests:
-                        self._capture_requests.remove(w)
+                    for q in (self._capture_requests, self._step_waiters):
+                        if w in q:
+                            q.remove(w)
+                if cmd == "wait":
+                    return {"ok": False, "error": f"the engine did not reach {w.when} in time: {self._progress()}"}
                 failing = ", ".join(f"{k} ({n}×)" for k, n in sorted(self._hook_failures.items()))
                 why = f"; failing connector hooks: {failing}" if failing else " (is the engine idle?)"
                 return {"ok": False, "error": f"no step boundary planned the capture within the timeout{why}"}

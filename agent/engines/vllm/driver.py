@@ -47,7 +47,7 @@ def describe(sock: Socket) -> WorkerDescription:
     return WorkerDescription(WorkerFacts.model_validate(r["facts"]), r["layout"], r["namespace"])
 
 
-def capture(sock: Socket, timeout: float = 60.0) -> Capture:
+def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = None) -> Capture:
     """Ask the connector for a snapshot at the next step boundary.
 
     A tensor-parallel worker answers with one page file per rank; their
@@ -55,10 +55,12 @@ def capture(sock: Socket, timeout: float = 60.0) -> Capture:
     (:mod:`agent.engines.vllm.shards`), so a checkpoint restores into any TP
     size. A capture whose ranks' parts do not cover every head is refused
     (:class:`~agent.engines.vllm.shards.ShardError`, naming the rank) and its
-    page files are deleted. ``close`` deletes every page file.
+    page files are deleted. ``close`` deletes every page file. With ``when``
+    (``{"live": n, "min_outputs": k}``) the capture is taken at the first step
+    boundary where n unfinished requests have k outputs each.
     """
     t0 = time.monotonic()
-    r = control.call(sock, "capture", io_timeout=timeout + 5, timeout=timeout)
+    r = control.call(sock, "capture", io_timeout=timeout + 5, timeout=timeout, when=when)
     shard_recs = r.get("shards") or [{"rank": 0, "index": r["index"]}]
     files: list[staging.PageFile] = []
 
@@ -130,6 +132,7 @@ def checkpoint(
     progress: Callable[[SaveProgress], None] | None = None,
     on_captured: Callable[[dict[str, Any]], None] | None = None,
     canary: dict[str, Any] | None = None,
+    when: dict[str, int] | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
 
@@ -150,7 +153,7 @@ def checkpoint(
     if canary is None and generate is not None:
         canary = canary_mod.record(generate)
     canary_s = time.monotonic() - t_canary
-    cap = capture(sock, timeout)
+    cap = capture(sock, timeout, when)
     if on_captured is not None:
         on_captured(dict(cap.stats))
     try:
@@ -377,24 +380,16 @@ def stats(sock: Socket) -> dict[str, Any]:
     return control.call(sock, "stats")
 
 
-def wait_for_steps(sock: Socket, *, live: int, steps: int, timeout: float = 120.0) -> dict[str, Any]:
-    """Wait until the engine holds at least ``live`` requests, then ``steps`` more engine steps.
+def wait_until(sock: Socket, *, live: int, min_outputs: int = 0, timeout: float = 120.0) -> dict[str, Any]:
+    """Block until a step boundary where ``live`` unfinished requests have ``min_outputs`` outputs each.
 
-    Paces a caller by the engine rather than by its API's streams (the API
-    server can lag the engine by hundreds of tokens on a busy host); returns
-    the connector's last stats.
+    The condition is judged by the connector on the engine's scheduler
+    thread at every step, so it cannot be missed between two polls (requests
+    that come and go between them); returns the step, live count and each
+    request's outputs at that boundary.
     """
-    deadline = time.monotonic() + timeout
-    start: int | None = None
-    st: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        st = stats(sock)
-        if start is None and st["live"] >= live:
-            start = int(st["step"])
-        if start is not None and st["step"] >= start + steps:
-            return st
-        time.sleep(0.002)
-    raise TimeoutError(f"the engine did not reach {live} live requests and {steps} steps in {timeout:.0f} s: {st}")
+    when = {"live": live, "min_outputs": min_outputs}
+    return control.call(sock, "wait", io_timeout=timeout + 5, timeout=timeout, when=when)
 
 
 # -- offline LLM helpers -------------------------------------------------------------
