@@ -71,7 +71,9 @@ class MasterIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._docs: dict[str, list[PackRecord]] = {}
-        self._blobs: dict[str, BlobEntry] = {}
+        # every copy of a blob id: two saves of one block in an encrypted
+        # repository store two ciphertexts (different checksums), both valid
+        self._blobs: dict[str, list[BlobEntry]] = {}
         self._packs: dict[str, PackRecord] = {}
 
     def refresh(self, store: Store, keyring: Keyring | None, workers: int = 8) -> None:
@@ -102,21 +104,29 @@ class MasterIndex:
         self._blobs = {}
         self._packs = {}
         for recs in self._docs.values():
-            for p in recs:
-                self._packs[p.id] = p
-                for e in p.entries:
-                    self._blobs.setdefault(e.id, e)
+            self._add_packs(recs)
+
+    def _add_packs(self, packs: Iterable[PackRecord]) -> None:
+        for p in packs:
+            if p.id in self._packs:
+                continue  # the same pack listed by two documents (a gc rewrite in progress)
+            self._packs[p.id] = p
+            for e in p.entries:
+                self._blobs.setdefault(e.id, []).append(e)
 
     def add(self, name: str, packs: list[PackRecord]) -> None:
         with self._lock:
             self._docs[name] = packs
-            for p in packs:
-                self._packs[p.id] = p
-                for e in p.entries:
-                    self._blobs.setdefault(e.id, e)
+            self._add_packs(packs)
 
     def lookup(self, blob_id: str) -> BlobEntry | None:
-        return self._blobs.get(blob_id)
+        """One copy of ``blob_id`` (any serves to deduplicate against), or None."""
+        copies = self._blobs.get(blob_id)
+        return copies[0] if copies else None
+
+    def copies(self, blob_id: str) -> list[BlobEntry]:
+        """Every indexed copy of ``blob_id``; a reader picks the one whose checksum its reference names."""
+        return list(self._blobs.get(blob_id, ()))
 
     def __contains__(self, blob_id: str) -> bool:
         return blob_id in self._blobs

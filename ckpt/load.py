@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpt import checksum as cks
-from ckpt.blocks import LoadedBlock
+from ckpt.blocks import DTYPES, LoadedBlock
 from ckpt.codecs import CodecContext, Pipeline
 from ckpt.errors import GpuckptError, IntegrityError, ObjectNotFound
 from ckpt.keys import Keyring
@@ -34,6 +34,8 @@ MiB = 1 << 20
 COALESCE_GAP = 1 * MiB
 #: ...as long as the read stays under this
 MAX_RANGE = 32 * MiB
+#: no block decodes to more than this, whatever its manifest entry says
+MAX_BLOCK_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,32 @@ def decode_blob(
     return raw if isinstance(raw, bytearray) else bytearray(mv)
 
 
+def expected_raw_length(ref: BlockRef, obj: str) -> int:
+    """The bytes ``ref`` must decode to: its dtype × shape, checked against ``raw_length`` and the cap
+    before anything is allocated (a stored length is never trusted on its own)."""
+    itemsize = DTYPES.get(ref.dtype)
+    if itemsize is None:
+        raise IntegrityError(f"block {ref.key} in {obj}: unknown dtype {ref.dtype!r}", obj=obj, blob=ref.blob)
+    n = itemsize
+    for d in ref.shape:
+        n *= d
+    if n != ref.raw_length:
+        raise IntegrityError(
+            f"block {ref.key} in {obj}: raw_length {ref.raw_length} is not {ref.dtype} × {list(ref.shape)} = {n} bytes",
+            obj=obj,
+            blob=ref.blob,
+        )
+    if n > MAX_BLOCK_BYTES:
+        raise IntegrityError(
+            f"block {ref.key} in {obj}: {n} bytes exceeds the {MAX_BLOCK_BYTES}-byte block limit",
+            obj=obj,
+            blob=ref.blob,
+        )
+    return n
+
+
 def _decode_ref(repo: Repository, pipelines: list[Pipeline], ref: BlockRef, stored: memoryview) -> LoadedBlock:
+    expected_raw_length(ref, pack_name(ref.pack))
     data = decode_blob(
         repo.keyring,
         pipelines[ref.codec],
@@ -124,6 +151,15 @@ def _decode_ref(repo: Repository, pipelines: list[Pipeline], ref: BlockRef, stor
         raw_length=ref.raw_length,
     )
     return LoadedBlock(bytes.fromhex(ref.key), data, ref.dtype, tuple(ref.shape))
+
+
+def _as_integrity(exc: Exception, obj: str, ref: BlockRef) -> GpuckptError:
+    if isinstance(exc, GpuckptError):
+        return exc
+    why = f"{type(exc).__name__}: {exc}"
+    err = IntegrityError(f"block {ref.key} in {obj} could not be decoded: {why}", obj=obj, blob=ref.blob)
+    err.__cause__ = exc
+    return err
 
 
 def load_blocks(
@@ -161,32 +197,38 @@ def load_blocks(
         for r in rg.refs:
             try:
                 out.append(_decode_ref(repo, pipelines, r, data[r.offset - rg.start : r.offset - rg.start + r.length]))
-            except GpuckptError as exc:
-                out.append(BlockFailure(bytes.fromhex(r.key), exc))
+            except Exception as exc:  # anything while decoding one block is that block's failure
+                out.append(BlockFailure(bytes.fromhex(r.key), _as_integrity(exc, obj, r)))
         return out
 
     def relocated(rg: _Range, exc: ObjectNotFound) -> list[LoadedBlock | BlockFailure]:
         """The manifest's pack is gone: gc may have repacked its live blobs.
         Find them through the index and read them there. The stored bytes were
         copied verbatim, so the manifest's checksums still vouch for them: the
-        index is trusted for locations only."""
+        index is trusted for locations only. A blob id may have several
+        copies (two saves of one block in an encrypted repository store two
+        ciphertexts): only a copy whose length and stored checksum are the
+        manifest's is this reference's copy, and each candidate is tried."""
         obj = pack_name(rg.pack)
         moved = repo.relocate(rg.pack, [r.blob for r in rg.refs])
         out: list[LoadedBlock | BlockFailure] = []
         for r in rg.refs:
-            e = moved.get(r.blob)
-            try:
-                if e is None:
-                    err = IntegrityError(f"pack {obj} referenced by checkpoint {manifest.id} is missing", obj=obj)
-                    err.__cause__ = exc
-                    raise err
-                if e.length != r.length:
-                    raise IntegrityError(
-                        f"blob {r.blob} moved to {pack_name(e.pack)} with another length", obj=pack_name(e.pack)
-                    )
-                stored = memoryview(repo.store.get(pack_name(e.pack), e.offset, e.length))
-                out.append(_decode_ref(repo, pipelines, r, stored))
-            except GpuckptError as failure:
+            # this reference's copy first (its stored checksum), then any other of its length
+            copies = [e for e in moved.get(r.blob, ()) if e.length == r.length]
+            candidates = sorted(copies, key=lambda e: e.checksum != r.checksum)
+            failure: GpuckptError | None = None
+            if not candidates:
+                failure = IntegrityError(f"pack {obj} referenced by checkpoint {manifest.id} is missing", obj=obj)
+                failure.__cause__ = exc
+            for e in candidates:
+                try:
+                    stored = memoryview(repo.store.get(pack_name(e.pack), e.offset, e.length))
+                    out.append(_decode_ref(repo, pipelines, r, stored))
+                    failure = None
+                    break
+                except Exception as other:  # try the next copy
+                    failure = _as_integrity(other, pack_name(e.pack), r)
+            if failure is not None:
                 out.append(BlockFailure(bytes.fromhex(r.key), failure))
         return out
 

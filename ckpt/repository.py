@@ -51,6 +51,7 @@ from ckpt.lock import DEFAULT_STALE_AFTER, Lock, list_locks
 from ckpt.lock import PREFIX as LOCK_PREFIX
 from ckpt.manifest import (
     DEFAULT_MAX_BYTES,
+    BlockRef,
     Ledger,
     Manifest,
     check_worker_id,
@@ -231,17 +232,17 @@ class Repository:
     def close(self) -> None:
         self.store.close()
 
-    def relocate(self, missing_pack: str, blob_ids: Iterable[str]) -> dict[str, BlobEntry]:
+    def relocate(self, missing_pack: str, blob_ids: Iterable[str]) -> dict[str, builtins.list[BlobEntry]]:
         """Where blobs that a manifest places in ``missing_pack`` live now
-        (moved by a gc repack), from a freshly read index. Blobs not found
-        elsewhere are absent from the result."""
+        (moved by a gc repack), from a freshly read index: every copy of each
+        outside that pack. Blobs not found elsewhere are absent from the result."""
         with self._relocate_lock:
             self.index.refresh(self.store, self.keyring)
         out = {}
         for b in blob_ids:
-            e = self.index.lookup(b)
-            if e is not None and e.pack != missing_pack:
-                out[b] = e
+            copies = [e for e in self.index.copies(b) if e.pack != missing_pack]
+            if copies:
+                out[b] = copies
         return out
 
     def __enter__(self) -> Repository:
@@ -471,9 +472,9 @@ class Repository:
 
     def _check_refs_exist(self, m: Manifest, report: VerifyReport) -> None:
         sizes: dict[str, int | None] = {}
-        by_pack: dict[str, builtins.list[str]] = {}
+        by_pack: dict[str, builtins.list[BlockRef]] = {}
         for b in m.blocks:
-            by_pack.setdefault(b.pack, []).append(b.blob)
+            by_pack.setdefault(b.pack, []).append(b)
         for b in m.blocks:
             if b.pack not in sizes:
                 try:
@@ -481,8 +482,14 @@ class Repository:
                 except ObjectNotFound:
                     sizes[b.pack] = None
                     # Repacked by gc? Then every blob must be found elsewhere.
-                    moved = self.relocate(b.pack, by_pack[b.pack])
-                    lost = [x for x in by_pack[b.pack] if x not in moved]
+                    refs = by_pack[b.pack]
+                    moved = self.relocate(b.pack, [r.blob for r in refs])
+                    # The reference's own copy: same stored checksum and length.
+                    lost = [
+                        r
+                        for r in refs
+                        if not any(e.checksum == r.checksum and e.length == r.length for e in moved.get(r.blob, ()))
+                    ]
                     if lost:
                         report.problems.append(
                             Problem(

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import struct
 from typing import Any
 
@@ -33,6 +34,7 @@ from ckpt import (
     UnsupportedVersion,
     document,
 )
+from ckpt import checksum as cks
 from ckpt.codecs import REGISTRY, Codec, CodecContext, Pipeline, codec_from_dict
 from ckpt.index import decode_index
 from ckpt.manifest import KIND, manifest_name
@@ -761,3 +763,54 @@ def test_save_refuses_what_is_not_a_block() -> None:
     with pytest.raises(ConfigError, match="Block"):
         repo.save([b"bytes"], worker_id="w0", namespace=NS, pins=sample_pins())  # type: ignore[list-item]
     assert repo.list() == []
+
+
+# -- stored sizes -------------------------------------------------------------------------------
+
+
+def _load_collecting(base: Base) -> tuple[list[Any], list[Any]]:
+    errors: list[Any] = []
+    return list(base.repo.load(base.m.id, errors=errors)), errors
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("raw_length", 2 << 30, r"raw_length 2147483648 is not bfloat16 × \[2, 8, 16\] = 512 bytes"),
+        ("shape", [1 << 20, 1 << 12], "exceeds the 4294967296-byte block limit"),
+        ("dtype", "complex1024", "unknown dtype 'complex1024'"),
+    ],
+)
+def test_a_stored_size_is_checked_before_anything_is_allocated(field: str, value: Any, why: str) -> None:
+    """One block's size lies: that block fails, named, and the others load."""
+    base = Base()
+    body = copy.deepcopy(base.body)
+    body["blocks"][0][field] = value
+    if field == "shape":
+        body["blocks"][0]["raw_length"] = 2 * (1 << 32)
+    base.store.put(base.name, base.seal(body))
+    loaded, errors = _load_collecting(base)
+    assert len(loaded) == 3
+    (failure,) = errors
+    assert isinstance(failure.error, IntegrityError)
+    assert re.search(why, str(failure.error)), str(failure.error)
+
+
+def test_a_frame_claiming_100_gb_is_one_blocks_error_not_a_memory_error() -> None:
+    """A 17-byte zstd frame declaring 100 GB behind a manifest that claims the same: refused, per block."""
+    base = Base()
+    body = copy.deepcopy(base.body)
+    ref = body["blocks"][0]
+    frame = _frame_claiming(100 * 10**9)
+    pack = ref["pack"]
+    data = bytearray(base.store.get(f"packs/{pack[:2]}/{pack}"))
+    data[ref["offset"] : ref["offset"] + len(frame)] = frame
+    base.store.put(f"packs/{pack[:2]}/{pack}", bytes(data))
+    ref.update(length=len(frame), raw_length=100 * 10**9, shape=[50 * 10**9], dtype="bfloat16")
+    ref["checksum"] = cks.checksum(frame)
+    base.store.put(base.name, base.seal(body))
+    loaded, errors = _load_collecting(base)
+    assert len(loaded) == 3
+    assert len(errors) == 1
+    assert isinstance(errors[0].error, IntegrityError)
+    assert "block limit" in str(errors[0].error)

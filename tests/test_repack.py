@@ -146,3 +146,43 @@ def test_gc_repack_crashed_at_every_write_loses_nothing(tmp_path: Path, method: 
         fresh.gc(grace=timedelta(0), stale_lock_after=0)
         loads_exact(fresh, b.id, b_blocks)
         assert fresh.verify().ok
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_two_copies_of_one_blob_in_an_encrypted_repository_survive_a_repack(tmp_path: Path, seed: int) -> None:
+    """Two workers save the same block at once (neither sees the other's index): an encrypted
+    repository then holds two ciphertexts of one blob id. Both are indexed; after a repack moves
+    them, each checkpoint reads its own copy, and ``verify`` checks each reference against it."""
+    key = Keyring(os.urandom(32))
+    root = tmp_path / "repo"
+    Repository.init(LocalStore(root), key=key, pack_size=1 << 20)
+    shared = blocks("system-prompt", 3, 100 + seed)
+
+    def open_repo() -> Repository:
+        return Repository.open(LocalStore(root), key=key)
+
+    # w1 stores copy 1 of the shared blocks (with junk), then a checkpoint that dedups against it.
+    m0 = save(open_repo(), shared + blocks("junk1", 4, seed), worker="w1")
+    m1 = save(open_repo(), shared + blocks("w1", 2, seed + 10), worker="w1")
+    # w2 runs as if at the same time: it does not see w1's index, and stores copy 2.
+    hidden = tmp_path / "hidden"
+    (root / "index").rename(hidden)
+    (root / "index").mkdir(mode=0o700)
+    m2a = save(open_repo(), shared + blocks("junk2", 4, seed + 20), worker="w2")
+    m2 = save(open_repo(), shared + blocks("w2", 2, seed + 30), worker="w2")
+    for doc in hidden.iterdir():
+        doc.rename(root / "index" / doc.name)
+    assert {b.blob for b in m1.blocks[:3]} == {b.blob for b in m2.blocks[:3]}
+    assert {b.checksum for b in m1.blocks[:3]}.isdisjoint({b.checksum for b in m2.blocks[:3]})
+    # Forgetting the junk makes both copies' packs sparse: gc repacks them.
+    repo = open_repo()
+    repo.delete(m0.id)
+    repo.delete(m2a.id)
+    report = repo.gc(grace=timedelta(0), repack_below=1.0)
+    assert report.repacked_packs
+    for m in (m1, m2):
+        fresh = Repository.open(LocalStore(root), key=key)
+        got = {b.key: bytes(b.data) for b in fresh.load(m.id)}
+        assert len(got) == len(m.blocks)
+    v = Repository.open(LocalStore(root), key=key).verify(read_data=True)
+    assert v.ok, v.problems
