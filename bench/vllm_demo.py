@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 
-from agent.engines.vllm import driver
+from agent.engines.vllm import canary, driver
 from agent.engines.vllm.serve import Completion, ServeProcess
 from ckpt import Repository, host_facts
 
@@ -101,6 +101,9 @@ def main() -> None:
         }
         hist = {k: convs[k] + turn1[k].token_ids for k in convs}
         turn2 = {k: hist[k] + toks(rng, 24) for k in ("conv0", "conv1", "conv2")}
+        t_canary = time.monotonic()
+        probe = canary.record(a_w.client.generate)  # before the traffic: nothing runs between condition and capture
+        canary_s = time.monotonic() - t_canary
         console.print("first turns done; three second turns are generating…")
         threads = [
             threading.Thread(
@@ -113,9 +116,10 @@ def main() -> None:
         when = {"live": len(turn2), "min_outputs": 60}
         driver.wait_until(a_w.control_socket, **when)
         t0 = time.monotonic()
-        m = driver.checkpoint(a_w.control_socket, repo, "demo-worker", generate=a_w.client.generate, when=when)
+        # captured at a step boundary where every second turn still runs, as the engine judges it
+        m = driver.checkpoint(a_w.control_socket, repo, "demo-worker", canary=probe, when=when, timeout=240)
         ckpt_s = time.monotonic() - t0
-        st = driver.last_checkpoint_stats()
+        st = {**driver.last_checkpoint_stats(), "canary_s": canary_s}
     finally:
         a_w.kill()  # SIGKILL to the process group, mid-decode
     assert m.ledger is not None

@@ -9,6 +9,7 @@ was deleted on purpose.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt import document
-from ckpt.errors import FormatError, ObjectNotFound
+from ckpt.errors import FormatError, IntegrityError, ObjectNotFound, UnsupportedVersion
 from ckpt.keys import Keyring
 from ckpt.pack import BlobEntry, entries_to_rows, rows_to_entries
 from ckpt.store.base import Store
@@ -25,6 +26,10 @@ KIND = "gpuckpt-index"
 VERSION = 1
 SUPPORTED = (1,)
 PREFIX = "index/"
+log = logging.getLogger("gpuckpt.index")
+#: index documents larger than this are not read (a gc rewrite of a large
+#: repository stays far below: ~100 bytes per blob)
+MAX_INDEX_BYTES = 512 << 20
 
 
 def index_name(index_id: str) -> str:
@@ -65,11 +70,19 @@ class MasterIndex:
     """The union of the repository's index documents, loaded incrementally.
 
     Index documents are immutable, so each is read once per process; a
-    refresh reads only names not seen before and forgets deleted ones.
+    refresh reads only names not seen before and forgets deleted ones. A
+    document that cannot be read for what it holds (malformed, planted,
+    rotten, oversized, a version this reader does not know) is skipped and
+    listed in :attr:`unreadable`: it is never a reason to stop a save or a
+    gc, and nothing is deleted on its account. A store failure still raises.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.unreadable: dict[str, str] = {}
+        #: the unreadable ones of a format version this reader does not know: a
+        #: newer writer's packs, which gc must not take for garbage
+        self.unsupported: dict[str, UnsupportedVersion] = {}
         self._docs: dict[str, list[PackRecord]] = {}
         # every copy of a blob id: two saves of one block in an encrypted
         # repository store two ciphertexts (different checksums), both valid
@@ -77,15 +90,28 @@ class MasterIndex:
         self._packs: dict[str, PackRecord] = {}
 
     def refresh(self, store: Store, keyring: Keyring | None, workers: int = 8) -> None:
-        names = {o.name for o in store.list(PREFIX)}
+        sizes = {o.name: o.size for o in store.list(PREFIX)}
+        names = set(sizes)
         with self._lock:
-            new = [n for n in names if n not in self._docs]
+            new = [n for n in names if n not in self._docs and n not in self.unreadable]
             gone = [n for n in self._docs if n not in names]
+            for n in [n for n in self.unreadable if n not in names]:
+                del self.unreadable[n]
+                self.unsupported.pop(n, None)
 
         def read(n: str) -> tuple[str, list[PackRecord] | None]:
             try:
+                if sizes[n] > MAX_INDEX_BYTES:
+                    raise FormatError(f"{n}: {sizes[n]} bytes exceeds the index size limit {MAX_INDEX_BYTES}")
                 return n, decode_index(n, store.get(n), keyring)
             except ObjectNotFound:  # deleted by a gc since the listing
+                return n, None
+            except (FormatError, IntegrityError) as exc:
+                log.warning("skipping an unreadable index document", extra={"object": n, "error": str(exc)})
+                with self._lock:
+                    self.unreadable[n] = str(exc)
+                    if isinstance(exc, UnsupportedVersion):
+                        self.unsupported[n] = exc
                 return n, None
 
         results = []

@@ -42,6 +42,7 @@ from ckpt.errors import (
     ObjectNotFound,
     RepositoryExists,
     RepositoryNotFound,
+    UnsupportedVersion,
 )
 from ckpt.index import PREFIX as INDEX_PREFIX
 from ckpt.index import MasterIndex, PackRecord, encode_index, index_name
@@ -73,6 +74,11 @@ CONFIG_KIND = "gpuckpt-repository"
 CONFIG_VERSION = 1
 CONFIG_SUPPORTED = (1,)
 PACK_PREFIX = "packs/"
+#: ``latest`` and ``forget`` ignore checkpoints whose id is later than the
+#: store's own time of writing by more than this (FORMAT.md §6)
+MAX_CLOCK_SKEW = timedelta(hours=1)
+#: bounds a reader enforces on ``config.pack_size``
+PACK_SIZE_RANGE = (64 << 10, 1 << 30)
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,14 @@ class CheckpointInfo:
     id: str
     worker_id: str
     name: str
-    created: datetime
+    created: datetime  # the writer's clock (from the id)
     size: int  # manifest bytes
+    stored: float = 0.0  # the store's clock: when the manifest object was written
+
+    def future_dated(self, skew: timedelta) -> bool:
+        """Whether the id claims a time later than the store recorded by more than ``skew``:
+        a writer whose clock runs ahead, or an object someone planted."""
+        return self.stored > 0 and self.created.timestamp() - self.stored > skew.total_seconds()
 
 
 @dataclass
@@ -139,6 +151,8 @@ class GcReport:
     removed_locks: int = 0
     removed_debris: int = 0
     dry_run: bool = False
+    # skipped, reported, never deleted: manifests and index documents that do not read
+    unreadable: list[str] = field(default_factory=list)
 
 
 def _ckpt_time(cid: str) -> datetime:
@@ -340,9 +354,45 @@ class Repository:
             parts = o.name[len(MANIFEST_PREFIX) :].split("/")
             if len(parts) != 2 or not is_checkpoint_id(parts[1]):
                 continue  # not ours: ignored, and left alone
-            out.append(CheckpointInfo(parts[1], parts[0], o.name, _ckpt_time(parts[1]), o.size))
+            out.append(CheckpointInfo(parts[1], parts[0], o.name, _ckpt_time(parts[1]), o.size, o.mtime))
         out.sort(key=lambda c: (c.id, c.worker_id))
         return out
+
+    def _by_store_time(self, worker_id: str | None, skew: timedelta) -> builtins.list[CheckpointInfo]:
+        """Checkpoints oldest first by the store's clock (then id), without future-dated ones.
+
+        A writer's clock can step back or run ahead; the store's time of
+        writing orders checkpoints as they were committed.
+        """
+        out = []
+        for c in self.list(worker_id):
+            if c.future_dated(skew):
+                log.warning(
+                    "ignoring a future-dated checkpoint",
+                    extra={"object": c.name, "claimed": c.created.isoformat(), "stored": c.stored},
+                )
+                continue
+            out.append(c)
+        out.sort(key=lambda c: (c.stored, c.id))
+        return out
+
+    def latest(
+        self, worker_id: str | None = None, *, skew: timedelta = MAX_CLOCK_SKEW
+    ) -> tuple[CheckpointInfo, Manifest]:
+        """The newest checkpoint whose manifest reads (by the store's clock); unreadable ones are
+        skipped and logged, so one rotten or planted manifest never hides the checkpoints before it."""
+        cps = self._by_store_time(worker_id, skew)
+        problems = []
+        for c in reversed(cps):
+            try:
+                return c, self.manifest(c)
+            except (FormatError, IntegrityError, CheckpointNotFound) as exc:
+                log.warning("skipping an unreadable checkpoint", extra={"object": c.name, "error": str(exc)})
+                problems.append(f"{c.id}: {exc}")
+        where = f" for worker {worker_id!r}" if worker_id else ""
+        more = "; …" if len(problems) > 1 else ""
+        detail = f" ({len(problems)} unreadable: {problems[0]}{more})" if problems else ""
+        raise CheckpointNotFound(f"no readable checkpoints{where} in {self.url}{detail}")
 
     def resolve(self, ref: str) -> CheckpointInfo:
         """Find a checkpoint by id, unique id prefix, ``latest`` or ``WORKER:latest``."""
@@ -351,12 +401,7 @@ class Repository:
             raise ConfigError(f"checkpoint reference {ref!r} is empty")
         if ref == "latest" or ref.endswith(":latest"):
             worker = None if ref == "latest" else check_worker_id(ref[: -len(":latest")])
-            cps = self.list(worker)
-            if not cps:
-                raise CheckpointNotFound(
-                    "no checkpoints" + (f" for worker {worker!r}" if worker else "") + f" in {self.url}"
-                )
-            return cps[-1]
+            return self.latest(worker)[0]
         if "/" in ref:  # WORKER/ID
             worker, _, cid = ref.partition("/")
             matches = [c for c in self.list(worker) if c.id == cid]
@@ -415,11 +460,10 @@ class Repository:
             raise ConfigError("keep_last must be at least 1: the newest checkpoint is always kept")
         now = now or datetime.now(UTC)
         by_worker: dict[str, list[CheckpointInfo]] = {}
-        for c in self.list(worker_id):
+        for c in self._readable(self._by_store_time(worker_id, MAX_CLOCK_SKEW)):
             by_worker.setdefault(c.worker_id, []).append(c)
         doomed = []
         for cps in by_worker.values():
-            cps.sort(key=lambda c: c.id)
             for i, c in enumerate(reversed(cps)):
                 keep = i == 0
                 keep |= keep_last is not None and i < keep_last
@@ -431,6 +475,24 @@ class Repository:
                 for c in doomed:
                     self.store.delete(c.name)
         return doomed
+
+    def _readable(self, infos: builtins.list[CheckpointInfo]) -> builtins.list[CheckpointInfo]:
+        """The checkpoints whose manifests read, in order; the others are logged and left alone
+        (retention must never count garbage as a kept checkpoint, nor delete what it cannot read)."""
+        if not infos:
+            return []
+
+        def ok(c: CheckpointInfo) -> bool:
+            try:
+                self.manifest(c)
+                return True
+            except (FormatError, IntegrityError, CheckpointNotFound) as exc:
+                log.warning("retention skips an unreadable checkpoint", extra={"object": c.name, "error": str(exc)})
+                return False
+
+        with ThreadPoolExecutor(min(8, len(infos))) as ex:
+            flags = list(ex.map(ok, infos))
+        return [c for c, f in zip(infos, flags, strict=True) if f]
 
     # -- verify -----------------------------------------------------------------------------
 
@@ -590,9 +652,24 @@ class Repository:
             infos = self.list()
             manifests = []
             for info in infos:
-                # Any failure here aborts gc: deleting data on a manifest we
-                # could not read would destroy a checkpoint.
-                manifests.append(self.manifest(info))
+                # A store failure aborts gc: deleting data on a manifest we
+                # could not fetch could destroy a checkpoint, and so could one
+                # of a format version we do not know (a newer writer's). A
+                # manifest that was fetched and does not read (rotten, planted)
+                # cannot be restored from: it is reported, left in place, and
+                # protects nothing.
+                try:
+                    try:
+                        manifests.append(self.manifest(info))
+                    except UnsupportedVersion:
+                        raise
+                    except (FormatError, IntegrityError):
+                        manifests.append(self.manifest(info))  # a second read: never judge on one torn GET
+                except UnsupportedVersion:
+                    raise  # a newer writer's checkpoint: its references are unknown, delete nothing
+                except (FormatError, IntegrityError) as exc:
+                    log.warning("gc skips an unreadable manifest", extra={"object": info.name, "error": str(exc)})
+                    report.unreadable.append(f"{info.name}: {exc}")
             named_packs: set[str] = set()
             live_blobs: set[str] = set()
             for m in manifests:
@@ -601,6 +678,10 @@ class Repository:
                     named_packs.add(b.pack)
             report.live_blobs = len(live_blobs)
             self.index.refresh(self.store, self.keyring)
+            if self.index.unsupported:
+                # a newer writer's index: the packs it lists are not garbage
+                raise next(iter(self.index.unsupported.values()))
+            report.unreadable += [f"{n}: {why}" for n, why in self.index.unreadable.items()]
             indexed = self.index.packs
             cutoff = time.time() - grace.total_seconds()
             doomed: list[ObjectInfo] = []

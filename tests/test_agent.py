@@ -192,6 +192,10 @@ def test_periodic_checkpoints_are_incremental_and_retention_keeps_the_newest(rig
         fake.generation = fake.captures
         time.sleep(0.2)
     a.shutdown(final=False)
+    # The last checkpoint may still be saving: retention runs after each save.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(repo.list("w0")) != 2:
+        time.sleep(0.05)
     ids = [i.id for i in repo.list("w0")]
     assert len(ids) == 2, ids  # keep_last = 2
     m = repo.manifest(ids[-1])

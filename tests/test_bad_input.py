@@ -11,6 +11,7 @@ import json
 import os
 import re
 import struct
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -308,12 +309,15 @@ def test_index_envelope_errors() -> None:
     for body in ({"packs": {}}, {"packs": [1]}, {"packs": [{"id": 1, "size": 1}]}, {}):
         with pytest.raises(FormatError, match=name):
             decode_index(name, document.seal("gpuckpt-index", 1, name, body, None), None)
-    # An index document of an unknown version stops a save before it writes anything.
+    # An index document of an unknown version (a newer writer's) does not stop a save, which
+    # only cannot deduplicate against it; gc refuses, deleting nothing: its packs are not garbage.
     base.store.put(name, json.dumps({**env, "version": 3}).encode())
     fresh = Repository.open(base.store)
-    before = {o.name for o in base.store.list("")}
-    with pytest.raises(UnsupportedVersion):
-        fresh.save([make_block(9, "bfloat16", (4,), 9)], worker_id="w0", namespace=NS, pins=sample_pins())
+    m = fresh.save([make_block(9, "bfloat16", (4,), 9)], worker_id="w0", namespace=NS, pins=sample_pins())
+    assert len(list(fresh.load(m.id))) == 1
+    before = {o.name for o in base.store.list("") if not o.name.startswith("locks/")}
+    with pytest.raises(UnsupportedVersion, match=name):
+        fresh.gc(grace=timedelta(0))
     assert {o.name for o in base.store.list("") if not o.name.startswith("locks/")} == before
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import driver
+from agent.engines.vllm import canary, driver
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
 
@@ -79,6 +79,9 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out: dict = {"prompts": prompts}
     with worker("a") as a:
         a.wait_ready()
+        # The canary is probed before the traffic: between the moment the requests are
+        # far enough and the capture, nothing may run that lets them finish first.
+        probe = canary.record(a.client.generate)
         results: dict = {}
         errors: list[BaseException] = []
 
@@ -93,10 +96,10 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
             t.start()
         # Pace by the engine, not by the streams: the API server can lag the
         # engine by hundreds of tokens on 2 busy cores.
-        # judged on the engine's scheduler thread at each step: no poll can miss it
+        # Captured at the first step boundary where every request has 40 outputs, as the
+        # engine's scheduler judges it: no poll can miss it, however busy the host.
         when = {"live": len(prompts), "min_outputs": 40}
-        driver.wait_until(a.control_socket, **when)
-        m = driver.checkpoint(a.control_socket, repo, "w0", generate=a.client.generate, when=when)
+        m = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, when=when, timeout=240)
         for t in threads:
             t.join(300)
         assert not errors, errors
