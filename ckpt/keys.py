@@ -122,6 +122,10 @@ class Keyring:
     def blob_mac(self, message: bytes) -> str:
         return hmac.new(self.id_key, message, hashlib.sha256).hexdigest()
 
+    def config_mac(self, message: bytes) -> str:
+        """Authenticates the repository's plain ``config`` (its pack size and the rest)."""
+        return hmac.new(_derive(self.master, "gpuckpt config-mac v1"), message, hashlib.sha256).hexdigest()
+
     def seal(self, data: Buffer, aad: bytes) -> bytearray:
         """Encrypt and authenticate: returns nonce | ciphertext | tag.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -91,16 +92,36 @@ class RepoConfig:
     def body(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "pack_size": self.pack_size, "encryption": self.encryption}
 
+    def mac_message(self) -> bytes:
+        enc = {k: v for k, v in (self.encryption or {}).items() if k != "mac"}
+        return document.canonical({**self.body(), "encryption": enc})
+
     @classmethod
     def parse(cls, body: dict[str, Any]) -> RepoConfig:
         try:
             enc = body["encryption"]
             if enc is not None and (not isinstance(enc, dict) or enc.get("alg") != ALG):
                 raise FormatError(f"config: unsupported encryption {enc!r}")
-            cfg = cls(str(body["id"]), str(body["created"]), int(body["pack_size"]), enc)
+            if type(body["pack_size"]) is not int:
+                raise TypeError("pack_size is not an integer")
+            cfg = cls(str(body["id"]), str(body["created"]), body["pack_size"], enc)
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"config: malformed ({exc})") from None
+        lo, hi = PACK_SIZE_RANGE
+        if not lo <= cfg.pack_size <= hi:
+            raise FormatError(f"config: pack_size {cfg.pack_size} outside [{lo}, {hi}]")
         return cfg
+
+    def authenticate(self, keyring: Keyring) -> None:
+        """An encrypted repository's config carries a MAC under the key: an edit
+        (say of ``pack_size``) by someone without the key is refused."""
+        assert self.encryption is not None
+        mac = self.encryption.get("mac")
+        if mac is None:  # written before configs were authenticated (format v1 fixtures)
+            log.warning("the repository config is not authenticated (written by an older gpuckpt)")
+            return
+        if not hmac.compare_digest(str(mac), keyring.config_mac(self.mac_message())):
+            raise IntegrityError("config: authentication failed: the repository config was modified", obj="config")
 
 
 @dataclass(frozen=True)
@@ -191,10 +212,16 @@ class Repository:
         """Create a repository. With a key, everything in it is encrypted."""
         store = open_store(target) if isinstance(target, str) else target
         keyring = _as_keyring(key)
+        lo, hi = PACK_SIZE_RANGE
+        if not lo <= pack_size <= hi:
+            raise ConfigError(f"pack_size {pack_size} outside [{lo}, {hi}]")
         enc = None
         if keyring is not None:
             enc = {"alg": ALG, "key_id": keyring.key_id, "check": keyring.make_check()}
         cfg = RepoConfig(secrets.token_hex(16), datetime.now(UTC).isoformat(), pack_size, enc)
+        if keyring is not None:
+            assert cfg.encryption is not None
+            cfg.encryption["mac"] = keyring.config_mac(cfg.mac_message())
         data = document.seal(CONFIG_KIND, CONFIG_VERSION, CONFIG_NAME, cfg.body(), None)
         try:
             store.put(CONFIG_NAME, data, if_absent=True)
@@ -239,6 +266,7 @@ class Repository:
                     "give its key (--key file:/path or env:NAME)"
                 )
             keyring.verify_check(cfg.encryption["check"], cfg.encryption["key_id"])
+            cfg.authenticate(keyring)
         elif keyring is not None:
             raise ConfigError(f"the repository at {store.url} is not encrypted; do not give a key")
         return cls(store, cfg, keyring)
@@ -588,6 +616,7 @@ class Repository:
             self.index.refresh(self.store, self.keyring)
         except GpuckptError as exc:
             report.problems.append(Problem("index/", str(exc)))
+        report.problems += [Problem(n, why) for n, why in sorted(self.index.unreadable.items())]
         for m in manifests:
             self._check_refs_exist(m, report)
         if not read_data:

@@ -294,6 +294,9 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._capture_seq = 0
         self._capture_requests: list[_Waiter] = []
         self._step_waiters: list[_Waiter] = []
+        self._hold = 0  # hold new requests until this many have arrived (see get_num_new_matched_tokens)
+        self._hold_until = 0.0
+        self._held: set[str] = set()
         # seq → (waiters, info, each rank's report so far)
         self._captures: dict[int, tuple[list[_Waiter], dict[str, Any], dict[int, dict[str, Any]]]] = {}
         self._offer: dict[bytes, str] = {}  # key → page file index path
@@ -400,8 +403,20 @@ class GpuckptConnector(KVConnectorBase_V1):
     @_hook(_no_match)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The offered blocks that extend the local hit, as tokens; side-effect free
-        apart from remembering the plan for ``update_state_after_alloc``."""
+        apart from remembering the plan for ``update_state_after_alloc``.
+
+        While a hold is set (``{"cmd": "hold", "requests": n}``) new requests
+        wait (``None``: the scheduler skips them this step) until ``n`` have
+        arrived, then start together: resubmitted requests batch as they did
+        before the checkpoint, and a test's requests are all in flight at once
+        however their client threads are scheduled.
+        """
         with self._lock:
+            if self._hold:
+                self._held.add(request.request_id)
+                if len(self._held) < self._hold and time.monotonic() < self._hold_until:
+                    return None, False
+                self._hold, self._held = 0, set()
             offer = self._offer
             if not offer:
                 return 0, False
@@ -721,6 +736,12 @@ class GpuckptConnector(KVConnectorBase_V1):
                     self._offer = offer
                 self._state_offer.update(states)
             return {"ok": True, "offered": len(keys), "requests": len(states), "rejected": rejected}
+        if cmd == "hold":
+            with self._lock:
+                self._hold = int(req.get("requests", 0))
+                self._hold_until = time.monotonic() + float(req.get("timeout", 60))  # never held forever
+                self._held = set()
+            return {"ok": True}
         if cmd == "withdraw":
             with self._lock:
                 self._offer = {}

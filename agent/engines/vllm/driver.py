@@ -380,6 +380,12 @@ def stats(sock: Socket) -> dict[str, Any]:
     return control.call(sock, "stats")
 
 
+def hold(sock: Socket, requests: int, *, timeout: float = 60.0) -> None:
+    """Hold new requests in the engine's queue until ``requests`` have arrived (or ``timeout`` s
+    passed), then let them start at one step boundary."""
+    control.call(sock, "hold", requests=requests, timeout=timeout)
+
+
 def wait_until(sock: Socket, *, live: int, min_outputs: int = 0, timeout: float = 120.0) -> dict[str, Any]:
     """Block until a step boundary where ``live`` unfinished requests have ``min_outputs`` outputs each.
 
