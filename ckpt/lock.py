@@ -1,16 +1,43 @@
 """Repository locks.
 
-A lock is an object ``locks/<id>`` holding who took it and when it was last
-refreshed. Saves and ``forget`` take *shared* locks; ``gc`` takes the one
-*exclusive* lock. Acquiring is optimistic, as in restic: write our lock, then
-list the others; on a conflict, remove ours and report the holder. Two racing
-acquirers may both back off; neither can both succeed. A lock not refreshed
-for ``stale_after`` seconds belongs to a dead process and is ignored (and
-removed by ``gc``); long operations refresh theirs in the background.
+A lock is an object ``locks/<id>`` holding who took it. Saves, ``delete``
+and ``forget`` take *shared* locks; ``gc`` takes the one *exclusive* lock.
+Acquiring is optimistic, as in restic: write our lock, then list the others;
+on a conflict, remove ours and report the holder. Two racing acquirers may
+both back off; neither can both succeed.
+
+Judging another lock (FORMAT.md §8):
+
+* **Age is the store's.** A lock's age is the store's time now (the
+  modification time the store gave the lock we just wrote) minus the
+  modification time it gave that lock when its holder last refreshed it —
+  never the holder's clock against ours. A lock older than ``stale_after``
+  belongs to a dead, suspended or cut-off process and is ignored (and
+  removed by ``gc`` and ``gpuckpt unlock``).
+* **A dead holder on this host is stale at once** (restic's rule): the lock
+  names the holder's boot id, pid and process start time; when the boot id
+  is this host's and no such process runs, nobody holds it.
+* **Fail closed.** A lock that cannot be fetched (after the store's retries)
+  stops the acquisition. A lock of a format version this code does not know
+  counts as a live exclusive lock (a newer gc). A lock that does not parse
+  (torn, planted) counts as a live exclusive lock for gc — so gc never runs
+  beside a save it cannot see — and is ignored by saves; once it is stale by
+  the store's clock it is ignored by both.
+* **Released** locks are deleted; a holder that may not delete (a
+  least-privilege role without ``DeleteObject``) overwrites its lock with a
+  released marker instead, which everyone ignores.
+
+A held lock refreshes itself in the background; :meth:`Lock.confirm` tells
+a long operation, before it commits, whether its lock is still sure to be
+seen as live (no failed refresh, last refresh well within ``stale_after``
+on a clock that counts suspended time). ``release`` cannot be undone by a
+refresh in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -18,11 +45,20 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from ckpt import document
-from ckpt.errors import GpuckptError, ObjectNotFound, RepositoryLocked
+from ckpt.errors import (
+    AccessDenied,
+    GpuckptError,
+    ObjectNotFound,
+    OperationAborted,
+    RepositoryLocked,
+    StoreError,
+    UnsupportedVersion,
+)
 from ckpt.store.base import Store
 
 KIND = "gpuckpt-lock"
@@ -32,8 +68,44 @@ DEFAULT_STALE_AFTER = 30 * 60.0
 log = logging.getLogger("gpuckpt.lock")
 
 
+def _boottime() -> float:
+    """Seconds on a clock that keeps counting while the host is suspended."""
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):  # not Linux
+        return time.monotonic()
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> str:
+    """The kernel's start time of ``pid`` (clock ticks since boot), "" when unknown or not running."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    # the command name may hold spaces and parentheses: fields follow the last ")"
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+BOOT_ID = _boot_id()
+
+
 @dataclass(frozen=True)
 class LockInfo:
+    """Another party's lock as read from the store.
+
+    ``problem`` is set for a lock that does not parse (its other fields are
+    then placeholders); ``newer`` for one of a format version this code does
+    not know; ``mtime`` is the store's time of its last write.
+    """
+
     name: str
     exclusive: bool
     operation: str
@@ -41,31 +113,69 @@ class LockInfo:
     pid: int
     created: float
     refreshed: float
+    mtime: float = 0.0
+    boot_id: str = ""
+    process_start: str = ""
+    released: bool = False
+    problem: str | None = None
+    newer: bool = False
 
-    def describe(self) -> str:
+    def describe(self, now: float | None = None) -> str:
+        if self.problem is not None:
+            return f"unreadable lock {self.name} ({self.problem})"
         kind = "exclusive" if self.exclusive else "shared"
-        age = time.time() - self.created
+        age = (now if now is not None else time.time()) - (self.mtime or self.refreshed)
         return (
             f"{kind} lock {self.name} held by {self.operation!r} on {self.hostname} "
-            f"pid {self.pid}, taken {age:.0f}s ago"
+            f"pid {self.pid}, refreshed {age:.0f}s ago"
         )
 
+    def holder_dead(self) -> bool:
+        """True only when the holder ran on this host (same boot) and that process is gone."""
+        if not self.boot_id or self.boot_id != BOOT_ID or self.pid <= 0:
+            return False
+        start = _process_start(self.pid)
+        return start == "" or (bool(self.process_start) and start != self.process_start)
 
-def _body(exclusive: bool, operation: str, created: float) -> dict[str, Any]:
+    def stale(self, store_now: float, stale_after: float) -> bool:
+        if self.released:
+            return True
+        if self.mtime and store_now - self.mtime > stale_after:
+            return True
+        return self.problem is None and self.holder_dead()
+
+    def blocks(self, exclusive: bool) -> bool:
+        """Whether this (live) lock stops an acquirer of the given kind."""
+        if self.newer:
+            return True
+        if self.problem is not None:
+            return exclusive
+        return exclusive or self.exclusive
+
+
+def _body(exclusive: bool, operation: str, created: float, released: bool = False) -> dict[str, Any]:
     return {
         "exclusive": exclusive,
         "operation": operation,
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
+        "boot_id": BOOT_ID,
+        "process_start": _process_start(os.getpid()),
         "created": created,
         "refreshed": time.time(),
+        "released": released,
     }
 
 
-def read_lock(store: Store, name: str) -> LockInfo | None:
-    """Read one lock; None if it vanished or cannot be parsed (debris)."""
+def read_lock(store: Store, name: str, mtime: float = 0.0) -> LockInfo | None:
+    """Read one lock; None if it vanished. A store failure raises (fail closed)."""
     try:
-        _, b = document.open_envelope(store.get(name), kind=KIND, supported=(VERSION,), name=name, keyring=None)
+        data = store.get(name)
+    except ObjectNotFound:
+        return None
+    placeholder = LockInfo(name, True, "?", "?", -1, 0.0, 0.0, mtime)
+    try:
+        _, b = document.open_envelope(data, kind=KIND, supported=(VERSION,), name=name, keyring=None)
         return LockInfo(
             name,
             bool(b["exclusive"]),
@@ -74,21 +184,62 @@ def read_lock(store: Store, name: str) -> LockInfo | None:
             int(b["pid"]),
             float(b["created"]),
             float(b["refreshed"]),
+            mtime,
+            str(b.get("boot_id", "")),
+            str(b.get("process_start", "")),
+            bool(b.get("released", False)),
         )
-    except ObjectNotFound:
-        return None
-    except (GpuckptError, KeyError, TypeError, ValueError):
-        log.warning("unreadable lock object", extra={"object": name})
-        return None
+    except UnsupportedVersion as exc:
+        return dataclasses.replace(placeholder, problem=str(exc), newer=True)
+    except (GpuckptError, KeyError, TypeError, ValueError) as exc:
+        log.warning("unreadable lock object", extra={"object": name, "error": str(exc)})
+        return dataclasses.replace(placeholder, problem=f"{type(exc).__name__}: {exc}")
 
 
 def list_locks(store: Store) -> list[LockInfo]:
+    """Every lock object, released markers excluded; raises if one cannot be fetched."""
     out = []
     for o in store.list(PREFIX):
-        info = read_lock(store, o.name)
-        if info is not None:
+        info = read_lock(store, o.name, o.mtime)
+        if info is not None and not info.released:
             out.append(info)
     return out
+
+
+def store_now(store: Store, name: str) -> float:
+    """The store's current time, as the modification time of an object just written."""
+    return store.stat(name).mtime
+
+
+def probe_store_now(store: Store) -> float:
+    """The store's current time, by writing (and removing) a probe lock object."""
+    name = PREFIX + "probe-" + secrets.token_hex(8)
+    store.put(name, document.seal(KIND, VERSION, name, _body(False, "clock probe", time.time(), True), None))
+    try:
+        return store_now(store, name)
+    finally:
+        with contextlib.suppress(GpuckptError):
+            store.delete(name)
+
+
+def remove_stale_locks(
+    store: Store, stale_after: float = DEFAULT_STALE_AFTER, *, keep: str | None = None, everything: bool = False
+) -> list[LockInfo]:
+    """Delete the locks that are stale (by the store's clock, or a dead holder on this host), or
+    with ``everything`` every lock but ``keep``; returns what was removed. Released markers go too."""
+    now = probe_store_now(store) if keep is None else store_now(store, keep)
+    removed = []
+    for o in store.list(PREFIX):
+        if o.name == keep:
+            continue
+        info = read_lock(store, o.name, o.mtime)
+        if info is None:
+            continue
+        if everything or info.stale(now, stale_after):
+            with contextlib.suppress(ObjectNotFound):
+                store.delete(o.name)
+            removed.append(info)
+    return removed
 
 
 class Lock:
@@ -110,6 +261,10 @@ class Lock:
         self.name = PREFIX + secrets.token_hex(16)
         self._created = time.time()
         self._stop = threading.Event()
+        self._write_lock = threading.Lock()  # a refresh and the release never interleave
+        self._released = False
+        self._refresh_failed: str | None = None
+        self._last_write = 0.0  # _boottime() of the last successful write
         self._thread: threading.Thread | None = None
         deadline = time.monotonic() + wait
         while True:
@@ -123,37 +278,79 @@ class Lock:
         self._thread = threading.Thread(target=self._refresher, name="gpuckpt-lock-refresh", daemon=True)
         self._thread.start()
 
-    def _write(self) -> None:
-        data = document.seal(KIND, VERSION, self.name, _body(self.exclusive, self.operation, self._created), None)
-        self.store.put(self.name, data)
+    def _write(self, released: bool = False) -> None:
+        body = _body(self.exclusive, self.operation, self._created, released)
+        self.store.put(self.name, document.seal(KIND, VERSION, self.name, body, None))
+        self._last_write = _boottime()
 
     def _try_acquire(self) -> None:
         self._write()
-        now = time.time()
-        for other in list_locks(self.store):
-            if other.name == self.name or now - other.refreshed > self.stale_after:
-                continue
-            if self.exclusive or other.exclusive:
-                self.store.delete(self.name)
-                raise RepositoryLocked(f"repository is locked: {other.describe()}")
+        try:
+            now = store_now(self.store, self.name)
+            for other in list_locks(self.store):
+                if other.name == self.name or other.stale(now, self.stale_after):
+                    continue
+                if other.blocks(self.exclusive):
+                    raise RepositoryLocked(f"repository is locked: {other.describe(now)}")
+        except StoreError as exc:
+            self._remove()
+            if isinstance(exc, ObjectNotFound):
+                raise RepositoryLocked(f"our lock {self.name} vanished while acquiring it") from None
+            # fail closed: a lock we cannot read may be a gc's or a save's
+            raise RepositoryLocked(f"cannot judge the repository's locks ({exc}); not taking the lock") from exc
+        except RepositoryLocked:
+            self._remove()
+            raise
 
     def _refresher(self) -> None:
         interval = max(1.0, self.stale_after / 3)
         while not self._stop.wait(interval):
-            try:
-                self._write()
-            except GpuckptError as exc:
-                log.warning("could not refresh lock", extra={"object": self.name, "error": str(exc)})
+            with self._write_lock:
+                if self._released:
+                    return
+                try:
+                    self._write()
+                    self._refresh_failed = None
+                except GpuckptError as exc:
+                    self._refresh_failed = str(exc)
+                    log.warning("could not refresh lock", extra={"object": self.name, "error": str(exc)})
 
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+    def confirm(self) -> None:
+        """Raise :class:`OperationAborted` unless the lock is surely still live for everyone.
+
+        Called right before a commit (a save's manifest): if the last refresh
+        failed, or the last successful write is older than half of
+        ``stale_after`` on a clock that counts suspended time, another
+        process may already take the lock for stale — the operation must not
+        commit on it.
+        """
+        if self._refresh_failed is not None:
+            raise OperationAborted(f"lock {self.name} could not be refreshed ({self._refresh_failed}); not committing")
+        age = _boottime() - self._last_write
+        if age > self.stale_after / 2:
+            raise OperationAborted(
+                f"lock {self.name} was last refreshed {age:.0f}s ago (stale after {self.stale_after:.0f}s); "
+                "not committing"
+            )
+
+    def _remove(self) -> None:
         try:
             self.store.delete(self.name)
+        except AccessDenied:
+            # A role that may not delete: leave a marker everyone ignores.
+            with contextlib.suppress(GpuckptError):
+                self._write(released=True)
         except GpuckptError as exc:
             # A lock we cannot remove goes stale and is ignored after stale_after.
             log.warning("could not remove lock", extra={"object": self.name, "error": str(exc)})
+
+    def release(self) -> None:
+        self._stop.set()
+        with self._write_lock:
+            self._released = True
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._remove()
 
     def __enter__(self) -> Lock:
         return self

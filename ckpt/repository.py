@@ -49,7 +49,7 @@ from ckpt.index import PREFIX as INDEX_PREFIX
 from ckpt.index import MasterIndex, PackRecord, encode_index, index_name
 from ckpt.keys import ALG, Keyring, KeySource
 from ckpt.load import BlockFailure, decode_blob, load_blocks
-from ckpt.lock import DEFAULT_STALE_AFTER, Lock, list_locks
+from ckpt.lock import DEFAULT_STALE_AFTER, Lock, remove_stale_locks
 from ckpt.lock import PREFIX as LOCK_PREFIX
 from ckpt.manifest import (
     DEFAULT_MAX_BYTES,
@@ -339,7 +339,7 @@ class Repository:
         which the save aborts with OperationAborted, leaving nothing visible.
         """
         check_worker_id(worker_id)
-        with Lock(self.store, exclusive=False, operation=f"save {worker_id}", wait=lock_wait):
+        with Lock(self.store, exclusive=False, operation=f"save {worker_id}", wait=lock_wait) as held:
             self.index.refresh(self.store, self.keyring)
             if parent == "auto":
                 mine = self.list(worker_id)
@@ -358,6 +358,7 @@ class Repository:
                 options=options,
                 progress=progress,
                 deadline=deadline,
+                before_commit=held.confirm,
             )
 
     def load(
@@ -749,12 +750,7 @@ class Repository:
                 )
                 return report
             report.removed_debris = self.store.cleanup(cutoff)
-            now = time.time()
-            for lk in list_locks(self.store):
-                # Never our own lock (stale_lock_after=0 would otherwise count it).
-                if lk.name != held.name and now - lk.refreshed > stale_lock_after:
-                    self.store.delete(lk.name)
-                    report.removed_locks += 1
+            report.removed_locks = len(remove_stale_locks(self.store, stale_lock_after, keep=held.name))
         log.info(
             "gc done",
             extra={

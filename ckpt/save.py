@@ -416,7 +416,14 @@ def save_checkpoint(
     options: SaveOptions | None = None,
     progress: Callable[[SaveProgress], None] | None = None,
     deadline: float | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Manifest:
+    """Write the blocks, the index and then the manifest (the commit point).
+
+    ``before_commit`` runs right before the manifest is written and may
+    raise to abort (a save re-confirms its lock there: nothing is committed
+    on a lock another process may already take for stale).
+    """
     check_worker_id(worker_id)
     opts = options or repo.default_save_options()
     if isinstance(ledger, dict):
@@ -488,6 +495,8 @@ def save_checkpoint(
     )
     if deadline is not None and time.monotonic() > deadline:
         raise OperationAborted("save did not finish before its deadline; nothing was made visible")
+    if before_commit is not None:
+        before_commit()
     saver.prog.phase = "manifest"
     # The commit point: the checkpoint exists once this create succeeds.
     repo.store.put(manifest.name, manifest.encode(repo.keyring), if_absent=True)

@@ -756,6 +756,57 @@ def gc_cmd(
         f"document(s); removed {report.removed_locks} stale lock(s), "
         f"{report.removed_debris} temporary file(s)"
     )
+    for line in report.unreadable:
+        typer.echo(f"  skipped (unreadable, left in place): {_one_line(line)}")
+
+
+@app.command("unlock")
+def unlock_cmd(
+    ctx: typer.Context,
+    remove_all: Annotated[
+        bool,
+        typer.Option("--remove-all", help="Remove every lock, live ones too (only when no gpuckpt runs on it)."),
+    ] = False,
+    stale_after: Annotated[
+        timedelta,
+        typer.Option(
+            "--stale-after",
+            parser=_duration,
+            metavar="DURATION",
+            show_default="30m",
+            help="A lock not refreshed for this long (by the store's clock) is stale.",
+        ),
+    ] = timedelta(minutes=30),
+    repo: RepoOpt = None,
+    key: KeyOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """List the repository's locks and remove the stale ones (a dead holder on this host is stale at once)."""
+    from ckpt.lock import list_locks, remove_stale_locks
+
+    with _open_repo(ctx, repo, key) as r:
+        removed = remove_stale_locks(r.store, stale_after.total_seconds(), everything=remove_all)
+        left = list_locks(r.store)
+
+    def row(lk: Any) -> dict[str, Any]:
+        return {
+            "name": lk.name,
+            "exclusive": lk.exclusive,
+            "operation": lk.operation,
+            "hostname": lk.hostname,
+            "pid": lk.pid,
+            "problem": lk.problem,
+        }
+
+    if json_:
+        _emit_json({"removed": [row(x) for x in removed], "live": [row(x) for x in left]})
+        return
+    for x in removed:
+        typer.echo(f"removed {x.describe()}")
+    for x in left:
+        typer.echo(f"kept (live) {x.describe()}")
+    if not removed and not left:
+        typer.echo("no locks")
 
 
 @app.command("forget")

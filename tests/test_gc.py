@@ -396,6 +396,12 @@ def test_gc_removes_stale_locks_only(tmp_path: Path) -> None:
         "refreshed": time.time() - 7200,
     }
     repo.store.put(name, document.seal(KIND, VERSION, name, body, None))
+    # The writer's clock says two hours ago; the store wrote it just now: live.
+    with pytest.raises(RepositoryLocked, match="save dead"):
+        repo.gc(grace=GRACE0)
+    # Stale is judged by the store's clock: its last write two hours ago.
+    old = time.time() - 7200
+    os.utime(tmp_path / name, (old, old))
     with Lock(repo.store, exclusive=False, operation="save alive"):
         # A live shared lock blocks gc; the stale one does not.
         with pytest.raises(RepositoryLocked) as ei:
