@@ -43,8 +43,14 @@ class PackRecord:
     entries: tuple[BlobEntry, ...]
 
 
-def encode_index(name: str, packs: Iterable[PackRecord], keyring: Keyring | None) -> bytes:
+def encode_index(
+    name: str, packs: Iterable[PackRecord], keyring: Keyring | None, superseded: Iterable[str] = ()
+) -> bytes:
+    """``superseded``: packs a gc is about to delete, whose live blobs this document's packs now hold
+    (FORMAT.md §9: a gc that dies before deleting them leaves the next gc the answer)."""
     body: dict[str, Any] = {"packs": []}
+    if superseded:
+        body["superseded"] = sorted(set(superseded))
     for p in packs:
         rows, codecs = entries_to_rows(list(p.entries))
         body["packs"].append({"id": p.id, "size": p.size, "codecs": codecs, "blobs": rows})
@@ -52,7 +58,15 @@ def encode_index(name: str, packs: Iterable[PackRecord], keyring: Keyring | None
 
 
 def decode_index(name: str, data: bytes, keyring: Keyring | None) -> list[PackRecord]:
+    return decode_index_doc(name, data, keyring)[0]
+
+
+def decode_index_doc(name: str, data: bytes, keyring: Keyring | None) -> tuple[list[PackRecord], frozenset[str]]:
+    """An index document's packs and the packs it supersedes."""
     _, body = document.open_envelope(data, kind=KIND, supported=SUPPORTED, name=name, keyring=keyring)
+    sup = body.get("superseded", [])
+    if not isinstance(sup, list) or not all(isinstance(x, str) and len(x) == 32 for x in sup):
+        raise FormatError(f"{name}: 'superseded' must be a list of pack ids")
     packs = body.get("packs")
     if not isinstance(packs, list):
         raise FormatError(f"{name}: 'packs' must be a list")
@@ -63,7 +77,7 @@ def decode_index(name: str, data: bytes, keyring: Keyring | None) -> list[PackRe
         out.append(
             PackRecord(p["id"], p["size"], tuple(rows_to_entries(p["id"], p.get("blobs"), p.get("codecs"), name)))
         )
-    return out
+    return out, frozenset(sup)
 
 
 class MasterIndex:
@@ -84,6 +98,7 @@ class MasterIndex:
         #: newer writer's packs, which gc must not take for garbage
         self.unsupported: dict[str, UnsupportedVersion] = {}
         self._docs: dict[str, list[PackRecord]] = {}
+        self._superseded: dict[str, frozenset[str]] = {}
         # every copy of a blob id: two saves of one block in an encrypted
         # repository store two ciphertexts (different checksums), both valid
         self._blobs: dict[str, list[BlobEntry]] = {}
@@ -103,7 +118,10 @@ class MasterIndex:
             try:
                 if sizes[n] > MAX_INDEX_BYTES:
                     raise FormatError(f"{n}: {sizes[n]} bytes exceeds the index size limit {MAX_INDEX_BYTES}")
-                return n, decode_index(n, store.get(n), keyring)
+                recs, sup = decode_index_doc(n, store.get(n), keyring)
+                with self._lock:
+                    self._superseded[n] = sup
+                return n, recs
             except ObjectNotFound:  # deleted by a gc since the listing
                 return n, None
             except (FormatError, IntegrityError) as exc:
@@ -121,6 +139,7 @@ class MasterIndex:
         with self._lock:
             for n in gone:
                 self._docs.pop(n, None)
+                self._superseded.pop(n, None)
             for n, recs in results:
                 if recs is not None:
                     self._docs[n] = recs
@@ -161,6 +180,12 @@ class MasterIndex:
     def documents(self) -> dict[str, list[PackRecord]]:
         with self._lock:
             return dict(self._docs)
+
+    @property
+    def superseded(self) -> frozenset[str]:
+        """Packs some index document says a gc replaced: to be deleted, whatever manifests name them."""
+        with self._lock:
+            return frozenset().union(*self._superseded.values()) if self._superseded else frozenset()
 
     @property
     def packs(self) -> dict[str, PackRecord]:

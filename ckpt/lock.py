@@ -265,6 +265,7 @@ class Lock:
         self._released = False
         self._refresh_failed: str | None = None
         self._last_write = 0.0  # _boottime() of the last successful write
+        self._max_gap = 0.0  # the longest time between two successful writes
         self._thread: threading.Thread | None = None
         deadline = time.monotonic() + wait
         while True:
@@ -281,7 +282,10 @@ class Lock:
     def _write(self, released: bool = False) -> None:
         body = _body(self.exclusive, self.operation, self._created, released)
         self.store.put(self.name, document.seal(KIND, VERSION, self.name, body, None))
-        self._last_write = _boottime()
+        now = _boottime()
+        if self._last_write:
+            self._max_gap = max(self._max_gap, now - self._last_write)
+        self._last_write = now
 
     def _try_acquire(self) -> None:
         self._write()
@@ -320,13 +324,16 @@ class Lock:
 
         Called right before a commit (a save's manifest): if the last refresh
         failed, or the last successful write is older than half of
-        ``stale_after`` on a clock that counts suspended time, another
-        process may already take the lock for stale — the operation must not
-        commit on it.
+        ``stale_after`` on a clock that counts suspended time — or two
+        successful writes ever were that far apart — another process may
+        have taken the lock for stale: the operation must not commit on it.
         """
         if self._refresh_failed is not None:
             raise OperationAborted(f"lock {self.name} could not be refreshed ({self._refresh_failed}); not committing")
-        age = _boottime() - self._last_write
+        # Continuity, not just recency: after a gap (a suspended host) a gc may
+        # have taken the lock for stale and deleted what this operation uses,
+        # even if the lock has been refreshed since.
+        age = max(_boottime() - self._last_write, self._max_gap)
         if age > self.stale_after / 2:
             raise OperationAborted(
                 f"lock {self.name} was last refreshed {age:.0f}s ago (stale after {self.stale_after:.0f}s); "

@@ -21,7 +21,6 @@ import json
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from ckpt.index import PREFIX as INDEX_PREFIX
 from ckpt.index import MasterIndex, PackRecord, encode_index, index_name
 from ckpt.keys import ALG, Keyring, KeySource
 from ckpt.load import BlockFailure, decode_blob, load_blocks
-from ckpt.lock import DEFAULT_STALE_AFTER, Lock, remove_stale_locks
+from ckpt.lock import DEFAULT_STALE_AFTER, Lock, remove_stale_locks, store_now
 from ckpt.lock import PREFIX as LOCK_PREFIX
 from ckpt.manifest import (
     DEFAULT_MAX_BYTES,
@@ -713,14 +712,17 @@ class Repository:
                 raise next(iter(self.index.unsupported.values()))
             report.unreadable += [f"{n}: {why}" for n, why in self.index.unreadable.items()]
             indexed = self.index.packs
-            cutoff = time.time() - grace.total_seconds()
+            # packs an earlier gc replaced and died before deleting (their blobs live on elsewhere)
+            superseded = self.index.superseded - set(indexed)
+            # young by the store's clock (our lock's write time), not by this host's
+            cutoff = store_now(self.store, held.name) - grace.total_seconds()
             doomed: list[ObjectInfo] = []
             to_repack: list[tuple[ObjectInfo, list[BlobEntry]]] = []
             for o in self.store.list(PACK_PREFIX):
                 pid = o.name.rsplit("/", 1)[-1]
                 rec = indexed.get(pid)
                 live = [e for e in rec.entries if e.id in live_blobs] if rec is not None else []
-                if rec is None and pid in named_packs:
+                if rec is None and pid in named_packs and pid not in superseded:
                     continue  # a manifest names it but no index does: keep, never guess
                 total = sum(e.length for e in rec.entries) if rec is not None else 0
                 live_bytes = sum(e.length for e in live)
@@ -810,9 +812,13 @@ class Repository:
             for p in docs[n]:
                 if p.id not in gone_ids:
                     keep.setdefault(p.id, p)
-        if keep:
+        # Carried forward until the packs are really gone: a crash between the
+        # index rewrite and the deletes leaves the next gc the list.
+        existing = {o.name.rsplit("/", 1)[-1] for o in self.store.list(PACK_PREFIX)}
+        superseded = gone_ids | (self.index.superseded & existing)
+        if keep or gone_ids:
             name = index_name(secrets.token_hex(16))
-            self.store.put(name, encode_index(name, keep.values(), self.keyring))
+            self.store.put(name, encode_index(name, keep.values(), self.keyring, superseded))
         for n in stale_docs:
             self.store.delete(n)
         report.rewritten_indexes = len(stale_docs)

@@ -206,6 +206,9 @@ def test_a_lock_whose_refresh_failed_or_that_slept_commits_nothing(
     monkeypatch.setattr(lock_mod, "_boottime", lambda: real() + 3600)  # the host was suspended an hour
     with pytest.raises(OperationAborted, match="last refreshed"):
         lk.confirm()
+    lk._write()  # refreshed again after the sleep: the gap still forbids the commit
+    with pytest.raises(OperationAborted, match="last refreshed"):
+        lk.confirm()
     lk.release()
     # A save whose lock cannot be confirmed makes nothing visible.
     monkeypatch.setattr(Lock, "confirm", lambda self: (_ for _ in ()).throw(OperationAborted("lock not fresh")))

@@ -146,6 +146,11 @@ def test_gc_repack_crashed_at_every_write_loses_nothing(tmp_path: Path, method: 
         fresh.gc(grace=timedelta(0), stale_lock_after=0)
         loads_exact(fresh, b.id, b_blocks)
         assert fresh.verify().ok
+        # ...and converges: no pack is left that no index lists (a superseded pack
+        # the dead gc did not get to delete is deleted by this one).
+        fresh.index.refresh(fresh.store, fresh.keyring)
+        on_disk = {o.name.rsplit("/", 1)[-1] for o in fresh.store.list("packs/")}
+        assert on_disk == set(fresh.index.packs), f"{method} #{n}: leaked {on_disk - set(fresh.index.packs)}"
 
 
 @pytest.mark.parametrize("seed", range(8))
