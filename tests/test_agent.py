@@ -24,7 +24,7 @@ from agent.daemon import config as config_mod
 from agent.daemon.agent import Agent
 from agent.daemon.api import AgentApiError, AgentClient
 from agent.daemon.notify import Notifier
-from ckpt import ConfigError, Repository
+from ckpt import ConfigError, Repository, RepositoryLocked
 from tests.fake_connector import FakeConnector
 
 
@@ -225,6 +225,34 @@ def test_preemption_notice_file_triggers_one_checkpoint(rig) -> None:
     assert a.status()["preempted"]["notice"].startswith("file ")
     time.sleep(1.5)
     assert fake.captures == 1, "one notice, one checkpoint"
+
+
+def test_a_long_gc_does_not_delay_the_preemption_checkpoint(rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc runs off the scheduler thread that polls for preemption notices."""
+    tmp, _fake, start = rig
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_gc(self: Repository, **kw: object) -> object:
+        entered.set()
+        release.wait(60)
+        raise RepositoryLocked("released by the test")
+
+    monkeypatch.setattr(Repository, "gc", slow_gc)
+    notice = tmp / "preempt"
+    a = start(
+        checkpoint={"preemption_file": str(notice), "preemption_poll": "1s"},
+        retention={"keep_last": 2, "gc_interval": "1s"},
+    )
+    try:
+        assert entered.wait(30), "gc never started"
+        notice.write_text("terminate at 12:00")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and a.status()["last_checkpoint"] is None:
+            time.sleep(0.1)
+        assert a.status()["last_checkpoint"] is not None, "the preemption checkpoint waited for gc"
+        assert not release.is_set()
+    finally:
+        release.set()
 
 
 # -- the control API ---------------------------------------------------------------------------

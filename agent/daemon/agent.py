@@ -95,6 +95,7 @@ class Agent:
         self.last_error: dict[str, Any] | None = None
         self.restore_report: dict[str, Any] | None = None
         self.last_gc: dict[str, Any] | None = None
+        self._gc_running = threading.Event()
         self.preempted: dict[str, Any] | None = None
         self._canary: tuple[Any, dict[str, Any]] | None = None  # (worker pid, record)
         self._client: Any = None  # ServeClient for the canary, made at the first checkpoint
@@ -349,7 +350,11 @@ class Agent:
                     self.request_checkpoint("preemption")
             if next_gc is not None and now >= next_gc:
                 next_gc = now + gc_every.total_seconds()  # type: ignore[union-attr]
-                self._gc()
+                # Off this thread: it also polls for preemption notices, which a
+                # long gc must not delay. Never while stopping or preempted.
+                if not self._gc_running.is_set() and self.preempted is None and not self._stopping.is_set():
+                    self._gc_running.set()
+                    threading.Thread(target=self._gc, name="gpuckpt-gc", daemon=True).start()
 
     def _preemption_notice(self) -> str | None:
         c = self.cfg.checkpoint
@@ -373,6 +378,8 @@ class Agent:
         except GpuckptError as exc:
             self.last_gc = {"at": _now(), "error": _describe(exc)}
             log.warning("gc failed", extra={"error": _describe(exc)})
+        finally:
+            self._gc_running.clear()
 
     # -- restore at start --------------------------------------------------------------------
 
