@@ -19,6 +19,7 @@ best-effort basis and otherwise reclaimed by ``gc`` after its grace period.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuckpt.save")
 MiB = 1 << 20
+#: past its deadline, a save waits this long for uploads in flight before leaving them behind
+UPLOAD_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -383,8 +386,18 @@ class _Saver:
                 raise root from None
             raise
         finally:
+            # Encoders read the caller's blocks: always waited for (CPU work,
+            # short). A hung upload is not, once the deadline has passed: a
+            # deadline bounds the save's wall time. Such an upload may still
+            # land a pack later: no index or manifest names it, gc removes it.
             self.encode_pool.shutdown(wait=True, cancel_futures=True)
-            self.upload_pool.shutdown(wait=True, cancel_futures=True)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                with self.lock:
+                    uploads = list(self.uploads)
+                concurrent.futures.wait(uploads, timeout=UPLOAD_GRACE)  # let quick ones land (and be discarded)
+                self.upload_pool.shutdown(wait=False, cancel_futures=True)
+            else:
+                self.upload_pool.shutdown(wait=True, cancel_futures=True)
             # Encodes cancelled by a failure never ran: release their blocks.
             for block, _ in refs:
                 self._release(block)

@@ -418,6 +418,43 @@ def test_deadline_during_uploads_aborts_and_removes_its_packs(tmp_path: Path) ->
     check_after_crash(tmp_path, prev, PREV, NEW)
 
 
+class HungStore(FaultyStore):
+    """Pack puts hang until the test releases them (a PUT that never answers)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.hung = threading.Event()
+        self.release = threading.Event()
+        self.landed = threading.Event()
+
+    def put(self, name: str, data: Buffer, *, if_absent: bool = False) -> None:
+        if name.startswith("packs/"):
+            self.hung.set()
+            self.release.wait(120)
+            try:
+                super().put(name, data, if_absent=if_absent)
+            finally:
+                self.landed.set()
+            return
+        super().put(name, data, if_absent=if_absent)
+
+
+def test_a_deadline_bounds_a_save_whose_upload_hangs(tmp_path: Path) -> None:
+    inner, prev = _fresh_repo(tmp_path)
+    fs = HungStore(inner)
+    repo = Repository.open(fs)
+    try:
+        with pytest.raises(OperationAborted, match="deadline"):
+            save(repo, NEW, deadline=time.monotonic() + 1.0)
+        assert fs.hung.is_set()
+        assert not fs.release.is_set()  # it returned while the upload still hangs
+        assert [c.id for c in repo.list()] == [prev.id]
+    finally:
+        fs.release.set()
+    assert fs.landed.wait(60)  # the abandoned upload lands a pack nothing names: gc's to remove
+    check_after_crash(tmp_path, prev, PREV, NEW)
+
+
 def test_deadline_after_index_leaves_only_gc_able_garbage(tmp_path: Path) -> None:
     inner, prev = _fresh_repo(tmp_path)
     fs = SlowStore(inner, 0.6, lambda n: n.startswith("index/"))
