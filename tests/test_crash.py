@@ -425,18 +425,23 @@ class HungStore(FaultyStore):
         super().__init__(inner)
         self.hung = threading.Event()
         self.release = threading.Event()
-        self.landed = threading.Event()
+        self.inflight = 0
+        self.count = threading.Condition()
 
     def put(self, name: str, data: Buffer, *, if_absent: bool = False) -> None:
-        if name.startswith("packs/"):
-            self.hung.set()
-            self.release.wait(120)
-            try:
-                super().put(name, data, if_absent=if_absent)
-            finally:
-                self.landed.set()
+        if not name.startswith("packs/"):
+            super().put(name, data, if_absent=if_absent)
             return
-        super().put(name, data, if_absent=if_absent)
+        with self.count:
+            self.inflight += 1
+        self.hung.set()
+        self.release.wait(120)
+        try:
+            super().put(name, data, if_absent=if_absent)
+        finally:
+            with self.count:
+                self.inflight -= 1
+                self.count.notify_all()
 
 
 def test_a_deadline_bounds_a_save_whose_upload_hangs(tmp_path: Path) -> None:
@@ -451,7 +456,8 @@ def test_a_deadline_bounds_a_save_whose_upload_hangs(tmp_path: Path) -> None:
         assert [c.id for c in repo.list()] == [prev.id]
     finally:
         fs.release.set()
-    assert fs.landed.wait(60)  # the abandoned upload lands a pack nothing names: gc's to remove
+    with fs.count:  # the abandoned uploads land packs nothing names: gc's to remove
+        assert fs.count.wait_for(lambda: fs.inflight == 0, 60)
     check_after_crash(tmp_path, prev, PREV, NEW)
 
 
