@@ -92,12 +92,13 @@ def vllm_checks() -> bool:
 
     # The test suite's worker script is the one to run here; imported by name
     # so that mypy's strict check of bench/ does not follow into the tests.
-    run_worker = importlib.import_module("tests.vllm.conftest").run_worker
+    harness = importlib.import_module("tests.vllm.conftest")
+    run_worker = harness.run_worker
 
     ok = True
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model = tiny_model(tmp / "model")
+        model = harness.write_tiny_llama(tmp / "model", dtype="bfloat16")
         base: dict[str, Any] = {
             "model": str(model),
             "repo": str(tmp / "repo"),
@@ -147,26 +148,6 @@ def vllm_checks() -> bool:
                 )
                 ok = ok and b["warm"] and same and cached
     return ok
-
-
-def tiny_model(path: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    return path
 
 
 if __name__ == "__main__":

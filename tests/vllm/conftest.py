@@ -22,13 +22,12 @@ except ImportError as exc:  # never skip: `make test` installs it, so a missing 
 WORKER = Path(__file__).with_name("worker.py")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_tiny_llama(path: Path, *, dtype: str = "float32", seed: int = 0, bos: int = 1, eos: int = 2) -> Path:
+    """A tiny random-weight Llama (2 layers, 2 KV heads, vocab 512) saved at ``path``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=512,
         hidden_size=256,
@@ -37,12 +36,17 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
-        torch_dtype="float32",
-        bos_token_id=1,
-        eos_token_id=2,
+        torch_dtype=dtype,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def run_worker(args: dict, tmp: Path, *, kill_after_result: bool = False, timeout: float = 300) -> dict:
@@ -97,9 +101,8 @@ def run_worker(args: dict, tmp: Path, *, kill_after_result: bool = False, timeou
 def tiny_llama_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama with a tokenizer (byte-level BPE generated with ``tokenizers``):
     for requests that need text, such as structured outputs."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     path = tmp_path_factory.mktemp("tiny-llama-text")
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -115,18 +118,4 @@ def tiny_llama_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(path)
-    torch.manual_seed(1)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        torch_dtype="float32",
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-    )
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
-    return path
+    return write_tiny_llama(path, seed=1, bos=fast.bos_token_id, eos=fast.eos_token_id)
