@@ -27,6 +27,7 @@ from ckpt import (
     HostFacts,
     Manifest,
     Namespace,
+    OperationAborted,
     Pins,
     Repository,
     RepositoryLocked,
@@ -330,6 +331,43 @@ def test_gc_refuses_while_a_save_holds_its_shared_lock(tmp_path: Path) -> None:
     assert_loads(repo, result[0], bl)
     assert list_locks(repo.store) == []
     repo.gc(grace=GRACE0)
+
+
+def test_a_save_whose_lock_a_gc_took_for_stale_never_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case: a save deduplicates against an old unreferenced pack; its host is then suspended long
+    enough that a gc takes its lock for stale and deletes that pack; the host wakes up. The save
+    must not commit a manifest naming the deleted pack."""
+    import ckpt.lock as lock_mod
+
+    repo = Repository.init(LocalStore(tmp_path, fsync=False), pack_size=64 * KiB)
+    old = blocks("old", 4)
+    m0 = save(repo, old, worker="gone")
+    repo.delete(m0.id)  # its pack is now indexed but unreferenced: a save may still dedup against it
+    entered, gate = threading.Event(), threading.Event()
+    outcome: list[BaseException | Manifest] = []
+
+    def saver() -> None:
+        try:
+            outcome.append(save(repo, _gated(old + blocks("new", 2), entered, gate), worker="w1"))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=saver)
+    t.start()
+    try:
+        assert entered.wait(10)
+        # The suspended host's lock looks stale to a gc elsewhere (here: stale at once).
+        report = Repository.open(LocalStore(tmp_path, fsync=False)).gc(grace=GRACE0, stale_lock_after=0)
+        assert report.deleted_packs, "the unreferenced pack was not deleted"
+        real = lock_mod._boottime
+        monkeypatch.setattr(lock_mod, "_boottime", lambda: real() + 3600)  # the host slept an hour
+    finally:
+        gate.set()
+        t.join(30)
+    assert isinstance(outcome[0], OperationAborted), outcome
+    fresh = Repository.open(LocalStore(tmp_path, fsync=False))
+    assert [c.worker_id for c in fresh.list()] == []  # nothing committed on the lost lock
+    assert fresh.verify().ok
 
 
 class GcGate(FaultyStore):
