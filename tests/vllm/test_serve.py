@@ -93,7 +93,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
         threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
         # All four start at one step boundary, however late the API server hands one over.
-        driver.hold(a.control_socket, len(prompts))
+        driver.hold(a.control_socket, len(prompts), timeout=300)
         for t in threads:
             t.start()
         # Pace by the engine, not by the streams: the API server can lag the

@@ -107,6 +107,28 @@ def make_generate(llm, outs: dict, *, fault: bool = False):
     return generate
 
 
+def checkpoint_in_flight(a: dict, llm, repo, outs: dict, requests: dict, min_outputs: int):
+    """Start ``requests`` (id → (prompt ids, params)) together and checkpoint them mid-decode.
+
+    Race-free on a busy host: the EngineCore runs ahead of this client, so
+    nothing here waits on the outputs it sees. The canary is recorded first
+    (nothing may run between the condition and the capture), the connector
+    holds the requests until all have arrived, and the capture is taken at the
+    first step boundary where every one has ``min_outputs`` outputs, as the
+    engine's scheduler judges it.
+    """
+    from vllm.inputs import TokensPrompt
+
+    from agent.engines.vllm import canary, driver
+
+    probe = canary.record(make_generate(llm, outs))
+    driver.hold(a["socket"], len(requests), timeout=300)
+    for rid, (toks, sp) in requests.items():
+        llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp)
+    when = {"live": len(requests), "min_outputs": min_outputs}
+    return driver.checkpoint(a["socket"], repo, "w0", canary=probe, when=when, timeout=300)
+
+
 WORDS = "(alpha|beta|gamma|delta)"
 REGEX = f"{WORDS}(,{WORDS}){{59}}"
 SCHEMA = {
@@ -126,7 +148,6 @@ def mixed(a: dict, llm, repo, res: dict) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
 
-    from agent.engines.vllm import driver
 
     eng = llm.llm_engine
     rng = random.Random(11)
@@ -148,11 +169,8 @@ def mixed(a: dict, llm, repo, res: dict) -> None:
     }
     system = [rng.randrange(3, 500) for _ in range(40)]
     prompts = {rid: system + [rng.randrange(3, 500) for _ in range(30 + 11 * i)] for i, rid in enumerate(params)}
-    for rid, sp in params.items():
-        eng.add_request(rid, TokensPrompt(prompt_token_ids=prompts[rid]), sp)
     outs: dict = {}
-    drain(llm, outs, until=lambda o: len(o) == len(params) and min(len(v["tokens"]) for v in o.values()) >= 30)
-    m = driver.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
+    m = checkpoint_in_flight(a, llm, repo, outs, {rid: (prompts[rid], sp) for rid, sp in params.items()}, 30)
     res["checkpoint"] = m.id
     res["ledger"] = {
         e["client_request_id"]: {

@@ -714,6 +714,9 @@ class GpuckptConnector(KVConnectorBase_V1):
                     return {"ok": False, "error": f"the engine did not reach {w.when} in time: {self._progress()}"}
                 failing = ", ".join(f"{k} ({n}×)" for k, n in sorted(self._hook_failures.items()))
                 why = f"; failing connector hooks: {failing}" if failing else " (is the engine idle?)"
+                if w.when:
+                    with self._lock:
+                        why += f"; waiting for {w.when}, at the last step: {self._progress()}"
                 return {"ok": False, "error": f"no step boundary planned the capture within the timeout{why}"}
             assert w.reply is not None
             return w.reply
