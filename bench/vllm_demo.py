@@ -107,7 +107,9 @@ def main() -> None:
         console.print("first turns done; three second turns are generating…")
         threads = [
             threading.Thread(
-                target=_quiet, args=(a_w.client.complete, p, {**greedy, "max_tokens": TURN2_TOKENS}, f"{k}-t2")
+                target=_quiet,
+                args=(a_w.client.complete, p, {**greedy, "max_tokens": TURN2_TOKENS}, f"{k}-t2"),
+                daemon=True,  # abandoned with worker A: the demo must not wait on them to exit
             )
             for k, p in turn2.items()
         ]
