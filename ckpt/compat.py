@@ -203,6 +203,8 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
 
 for _name, _description in _HOST_RULES.items():
     register(Rule(_name, _description, _host(_name)))
+
+
 def recorded_only(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
     """For facts kept for the record that a restore adapts to (tensor-parallel size and rank)."""
     if recorded == current:

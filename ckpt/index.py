@@ -44,13 +44,21 @@ class PackRecord:
 
 
 def encode_index(
-    name: str, packs: Iterable[PackRecord], keyring: Keyring | None, superseded: Iterable[str] = ()
+    name: str,
+    packs: Iterable[PackRecord],
+    keyring: Keyring | None,
+    superseded: Iterable[str] = (),
+    condemned: dict[str, float] | None = None,
 ) -> bytes:
-    """``superseded``: packs a gc is about to delete, whose live blobs this document's packs now hold
-    (FORMAT.md §9: a gc that dies before deleting them leaves the next gc the answer)."""
+    """``superseded``: packs a gc is deleting now (FORMAT.md §9: a gc that dies before deleting
+    them leaves the next gc the answer). ``condemned``: packs a gc will delete once no save can
+    still be referencing them, each with the store time it was condemned at (0: at this
+    document's own store time); saves do not deduplicate against either."""
     body: dict[str, Any] = {"packs": []}
     if superseded:
         body["superseded"] = sorted(set(superseded))
+    if condemned:
+        body["condemned"] = {p: float(t) for p, t in sorted(condemned.items())}
     for p in packs:
         rows, codecs = entries_to_rows(list(p.entries))
         body["packs"].append({"id": p.id, "size": p.size, "codecs": codecs, "blobs": rows})
@@ -58,15 +66,27 @@ def encode_index(
 
 
 def decode_index(name: str, data: bytes, keyring: Keyring | None) -> list[PackRecord]:
-    return decode_index_doc(name, data, keyring)[0]
+    return decode_index_doc(name, data, keyring).packs
 
 
-def decode_index_doc(name: str, data: bytes, keyring: Keyring | None) -> tuple[list[PackRecord], frozenset[str]]:
-    """An index document's packs and the packs it supersedes."""
+@dataclass(frozen=True)
+class IndexDoc:
+    packs: list[PackRecord]
+    superseded: frozenset[str]
+    condemned: dict[str, float]  # pack id -> store time (0: the document's own)
+
+
+def decode_index_doc(name: str, data: bytes, keyring: Keyring | None) -> IndexDoc:
+    """An index document's packs, the packs it supersedes and the packs it condemns."""
     _, body = document.open_envelope(data, kind=KIND, supported=SUPPORTED, name=name, keyring=keyring)
     sup = body.get("superseded", [])
     if not isinstance(sup, list) or not all(isinstance(x, str) and len(x) == 32 for x in sup):
         raise FormatError(f"{name}: 'superseded' must be a list of pack ids")
+    con = body.get("condemned", {})
+    if not isinstance(con, dict) or not all(
+        isinstance(k, str) and len(k) == 32 and type(v) in (int, float) and v >= 0 for k, v in con.items()
+    ):
+        raise FormatError(f"{name}: 'condemned' must map pack ids to store times")
     packs = body.get("packs")
     if not isinstance(packs, list):
         raise FormatError(f"{name}: 'packs' must be a list")
@@ -77,7 +97,7 @@ def decode_index_doc(name: str, data: bytes, keyring: Keyring | None) -> tuple[l
         out.append(
             PackRecord(p["id"], p["size"], tuple(rows_to_entries(p["id"], p.get("blobs"), p.get("codecs"), name)))
         )
-    return out, frozenset(sup)
+    return IndexDoc(out, frozenset(sup), {k: float(v) for k, v in con.items()})
 
 
 class MasterIndex:
@@ -99,13 +119,17 @@ class MasterIndex:
         self.unsupported: dict[str, UnsupportedVersion] = {}
         self._docs: dict[str, list[PackRecord]] = {}
         self._superseded: dict[str, frozenset[str]] = {}
+        self._condemned: dict[str, dict[str, float]] = {}  # per document, times resolved
+        # packs saves must not deduplicate against: condemned or superseded by a gc
+        self._excluded: frozenset[str] = frozenset()
         # every copy of a blob id: two saves of one block in an encrypted
         # repository store two ciphertexts (different checksums), both valid
         self._blobs: dict[str, list[BlobEntry]] = {}
         self._packs: dict[str, PackRecord] = {}
 
     def refresh(self, store: Store, keyring: Keyring | None, workers: int = 8) -> None:
-        sizes = {o.name: o.size for o in store.list(PREFIX)}
+        listing = {o.name: o for o in store.list(PREFIX)}
+        sizes = {n: o.size for n, o in listing.items()}
         names = set(sizes)
         with self._lock:
             new = [n for n in names if n not in self._docs and n not in self.unreadable]
@@ -118,10 +142,12 @@ class MasterIndex:
             try:
                 if sizes[n] > MAX_INDEX_BYTES:
                     raise FormatError(f"{n}: {sizes[n]} bytes exceeds the index size limit {MAX_INDEX_BYTES}")
-                recs, sup = decode_index_doc(n, store.get(n), keyring)
+                doc = decode_index_doc(n, store.get(n), keyring)
                 with self._lock:
-                    self._superseded[n] = sup
-                return n, recs
+                    self._superseded[n] = doc.superseded
+                    # 0 = "when this document was written", on the store's clock
+                    self._condemned[n] = {p: t or listing[n].mtime for p, t in doc.condemned.items()}
+                return n, doc.packs
             except ObjectNotFound:  # deleted by a gc since the listing
                 return n, None
             except (FormatError, IntegrityError) as exc:
@@ -140,6 +166,7 @@ class MasterIndex:
             for n in gone:
                 self._docs.pop(n, None)
                 self._superseded.pop(n, None)
+                self._condemned.pop(n, None)
             for n, recs in results:
                 if recs is not None:
                     self._docs[n] = recs
@@ -150,6 +177,12 @@ class MasterIndex:
         self._packs = {}
         for recs in self._docs.values():
             self._add_packs(recs)
+        excluded: set[str] = set()
+        for sup in self._superseded.values():
+            excluded |= sup
+        for con in self._condemned.values():
+            excluded |= con.keys()
+        self._excluded = frozenset(excluded)
 
     def _add_packs(self, packs: Iterable[PackRecord]) -> None:
         for p in packs:
@@ -165,9 +198,18 @@ class MasterIndex:
             self._add_packs(packs)
 
     def lookup(self, blob_id: str) -> BlobEntry | None:
-        """One copy of ``blob_id`` (any serves to deduplicate against), or None."""
-        copies = self._blobs.get(blob_id)
-        return copies[0] if copies else None
+        """A copy of ``blob_id`` a save may deduplicate against, or None.
+
+        Copies in packs a gc has condemned or superseded do not count: gc
+        deletes those once every save that could have seen them as live has
+        committed or aborted (FORMAT.md §9), so a new reference to one could
+        outlive its data.
+        """
+        excluded = self._excluded
+        for e in self._blobs.get(blob_id, ()):
+            if e.pack not in excluded:
+                return e
+        return None
 
     def copies(self, blob_id: str) -> list[BlobEntry]:
         """Every indexed copy of ``blob_id``; a reader picks the one whose checksum its reference names."""
@@ -186,6 +228,24 @@ class MasterIndex:
         """Packs some index document says a gc replaced: to be deleted, whatever manifests name them."""
         with self._lock:
             return frozenset().union(*self._superseded.values()) if self._superseded else frozenset()
+
+    @property
+    def condemned(self) -> dict[str, float]:
+        """Packs some index document condemns, each with the earliest store time it was condemned at."""
+        with self._lock:
+            out: dict[str, float] = {}
+            for con in self._condemned.values():
+                for p, t in con.items():
+                    out[p] = min(t, out.get(p, t))
+            return out
+
+    def condemned_by(self, name: str) -> dict[str, float]:
+        with self._lock:
+            return dict(self._condemned.get(name, {}))
+
+    def superseded_by(self, name: str) -> frozenset[str]:
+        with self._lock:
+            return self._superseded.get(name, frozenset())
 
     @property
     def packs(self) -> dict[str, PackRecord]:

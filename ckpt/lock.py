@@ -1,7 +1,13 @@
 """Repository locks.
 
 A lock is an object ``locks/<id>`` holding who took it. Saves, ``delete``
-and ``forget`` take *shared* locks; ``gc`` takes the one *exclusive* lock.
+and ``forget`` take *shared* locks. ``gc`` takes an exclusive lock of one
+of two modes: by default a *gc-only* lock, which keeps other gcs out but not
+saves (gc then deletes in two phases, FORMAT.md §9); with ``gc --now`` a
+*full* exclusive lock, which waits for every save and keeps them out.
+Shared locks carry ``protocol: 2`` — their holders do not deduplicate against
+condemned packs; a shared lock without it (an older gpuckpt's save) keeps
+every gc out, and older saves take a gc-only lock for a full one.
 Acquiring is optimistic, as in restic: write our lock, then list the others;
 on a conflict, remove ours and report the holder. Two racing acquirers may
 both back off; neither can both succeed.
@@ -119,11 +125,13 @@ class LockInfo:
     released: bool = False
     problem: str | None = None
     newer: bool = False
+    mode: str = ""  # "gc": a gc-only exclusive lock (saves may run beside it)
+    protocol: int = 1
 
     def describe(self, now: float | None = None) -> str:
         if self.problem is not None:
             return f"unreadable lock {self.name} ({self.problem})"
-        kind = "exclusive" if self.exclusive else "shared"
+        kind = ("gc-only exclusive" if self.mode == "gc" else "exclusive") if self.exclusive else "shared"
         age = (now if now is not None else time.time()) - (self.mtime or self.refreshed)
         return (
             f"{kind} lock {self.name} held by {self.operation!r} on {self.hostname} "
@@ -144,17 +152,23 @@ class LockInfo:
             return True
         return self.problem is None and self.holder_dead()
 
-    def blocks(self, exclusive: bool) -> bool:
+    def blocks(self, exclusive: bool, mode: str = "") -> bool:
         """Whether this (live) lock stops an acquirer of the given kind."""
         if self.newer:
             return True
         if self.problem is not None:
-            return exclusive
-        return exclusive or self.exclusive
+            return exclusive  # gc never runs beside a lock it cannot judge
+        if not exclusive:  # a save, delete or forget
+            return self.exclusive and self.mode != "gc"
+        if mode == "gc":  # a gc-only lock: out of other gcs' way and of saves that ignore condemnation
+            return self.exclusive or self.protocol < 2
+        return True
 
 
-def _body(exclusive: bool, operation: str, created: float, released: bool = False) -> dict[str, Any]:
+def _body(exclusive: bool, operation: str, created: float, released: bool = False, mode: str = "") -> dict[str, Any]:
     return {
+        "protocol": 2,
+        **({"mode": mode} if mode else {}),
         "exclusive": exclusive,
         "operation": operation,
         "hostname": socket.gethostname(),
@@ -188,6 +202,8 @@ def read_lock(store: Store, name: str, mtime: float = 0.0) -> LockInfo | None:
             str(b.get("boot_id", "")),
             str(b.get("process_start", "")),
             bool(b.get("released", False)),
+            mode=str(b.get("mode", "")),
+            protocol=int(b.get("protocol", 1)),
         )
     except UnsupportedVersion as exc:
         return dataclasses.replace(placeholder, problem=str(exc), newer=True)
@@ -253,9 +269,13 @@ class Lock:
         operation: str,
         stale_after: float = DEFAULT_STALE_AFTER,
         wait: float = 0.0,
+        mode: str = "",
     ) -> None:
+        if mode not in ("", "gc") or (mode and not exclusive):
+            raise ValueError(f"bad lock mode {mode!r}")
         self.store = store
         self.exclusive = exclusive
+        self.mode = mode
         self.operation = operation
         self.stale_after = stale_after
         self.name = PREFIX + secrets.token_hex(16)
@@ -265,10 +285,12 @@ class Lock:
         self._released = False
         self._refresh_failed: str | None = None
         self._last_write = 0.0  # _boottime() of the last successful write
+        self._acquired = 0.0  # _boottime() when acquiring began
         self._max_gap = 0.0  # the longest time between two successful writes
         self._thread: threading.Thread | None = None
         deadline = time.monotonic() + wait
         while True:
+            self._acquired = _boottime()
             try:
                 self._try_acquire()
                 break
@@ -280,7 +302,7 @@ class Lock:
         self._thread.start()
 
     def _write(self, released: bool = False) -> None:
-        body = _body(self.exclusive, self.operation, self._created, released)
+        body = _body(self.exclusive, self.operation, self._created, released, self.mode)
         self.store.put(self.name, document.seal(KIND, VERSION, self.name, body, None))
         now = _boottime()
         if self._last_write:
@@ -294,7 +316,7 @@ class Lock:
             for other in list_locks(self.store):
                 if other.name == self.name or other.stale(now, self.stale_after):
                     continue
-                if other.blocks(self.exclusive):
+                if other.blocks(self.exclusive, self.mode):
                     raise RepositoryLocked(f"repository is locked: {other.describe(now)}")
         except StoreError as exc:
             self._remove()
@@ -319,7 +341,11 @@ class Lock:
                     self._refresh_failed = str(exc)
                     log.warning("could not refresh lock", extra={"object": self.name, "error": str(exc)})
 
-    def confirm(self) -> None:
+    def held_for(self) -> float:
+        """Seconds since acquiring began, on a clock that counts suspended time."""
+        return _boottime() - self._acquired
+
+    def confirm(self, max_held: float | None = None, *, stale_after: float | None = None) -> None:
         """Raise :class:`OperationAborted` unless the lock is surely still live for everyone.
 
         Called right before a commit (a save's manifest): if the last refresh
@@ -327,16 +353,26 @@ class Lock:
         ``stale_after`` on a clock that counts suspended time — or two
         successful writes ever were that far apart — another process may
         have taken the lock for stale: the operation must not commit on it.
+        With ``max_held``, also if the lock has been held longer than that:
+        a save's bound, which a concurrent gc's deletion delay relies on.
+        ``stale_after``: the limit others judge this lock by, when it is not
+        the one this holder judged theirs by.
         """
+        limit = self.stale_after if stale_after is None else stale_after
+        if max_held is not None and self.held_for() > max_held:
+            raise OperationAborted(
+                f"this save has run {self.held_for():.0f}s, longer than the repository's limit of "
+                f"{max_held:.0f}s (a concurrent gc may delete what it deduplicated against); not committing"
+            )
         if self._refresh_failed is not None:
             raise OperationAborted(f"lock {self.name} could not be refreshed ({self._refresh_failed}); not committing")
         # Continuity, not just recency: after a gap (a suspended host) a gc may
         # have taken the lock for stale and deleted what this operation uses,
         # even if the lock has been refreshed since.
         age = max(_boottime() - self._last_write, self._max_gap)
-        if age > self.stale_after / 2:
+        if age > limit / 2:
             raise OperationAborted(
-                f"lock {self.name} was last refreshed {age:.0f}s ago (stale after {self.stale_after:.0f}s); "
+                f"lock {self.name} was last refreshed {age:.0f}s ago (stale after {limit:.0f}s); "
                 "not committing"
             )
 

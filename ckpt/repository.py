@@ -15,6 +15,7 @@ applies are specified in ``ckpt/FORMAT.md``; this module implements them.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import hmac
 import json
@@ -61,10 +62,10 @@ from ckpt.manifest import (
 from ckpt.manifest import (
     PREFIX as MANIFEST_PREFIX,
 )
-from ckpt.pack import BlobEntry, PackWriter, read_trailer
+from ckpt.pack import BlobEntry, PackWriter, pack_name, read_trailer
 from ckpt.pins import Pins
 from ckpt.save import SaveOptions, SaveProgress, save_checkpoint
-from ckpt.store.base import ObjectInfo, Store
+from ckpt.store.base import ObjectInfo, Store, deadline_scope
 from ckpt.url import open_store
 
 log = logging.getLogger("gpuckpt.repository")
@@ -77,6 +78,10 @@ PACK_PREFIX = "packs/"
 #: ``latest`` and ``forget`` ignore checkpoints whose id is later than the
 #: store's own time of writing by more than this (FORMAT.md §6)
 MAX_CLOCK_SKEW = timedelta(hours=1)
+#: the longest a save may run, from taking its lock to writing its manifest;
+#: a concurrent gc deletes a condemned pack only twice this long after
+#: condemning it (FORMAT.md §9). Every writer of a repository must agree.
+MAX_SAVE_SECONDS = 30 * 60.0
 #: bounds a reader enforces on ``config.pack_size``
 PACK_SIZE_RANGE = (64 << 10, 1 << 30)
 
@@ -171,6 +176,11 @@ class GcReport:
     removed_locks: int = 0
     removed_debris: int = 0
     dry_run: bool = False
+    exclusive: bool = False  # gc --now: saves waited for, deletes at once
+    # condemned by this gc: deleted by a later one, once no save can still reference them
+    condemned_packs: list[str] = field(default_factory=list)
+    pending_packs: int = 0  # condemned earlier, not yet ripe
+    rescued_packs: list[str] = field(default_factory=list)  # condemned, but a manifest needs them
     # skipped, reported, never deleted: manifests and index documents that do not read
     unreadable: list[str] = field(default_factory=list)
 
@@ -197,6 +207,8 @@ class Repository:
         self.keyring = keyring
         self.index = MasterIndex()
         self._relocate_lock = threading.Lock()
+        #: a save that would commit later than this after taking its lock aborts instead
+        self.max_save_seconds = MAX_SAVE_SECONDS
 
     # -- opening -------------------------------------------------------------------
 
@@ -338,7 +350,11 @@ class Repository:
         which the save aborts with OperationAborted, leaving nothing visible.
         """
         check_worker_id(worker_id)
-        with Lock(self.store, exclusive=False, operation=f"save {worker_id}", wait=lock_wait) as held:
+        # a deadline also bounds the store's retries (ckpt.store.base.deadline_scope), lock release included
+        with (
+            deadline_scope(deadline),
+            Lock(self.store, exclusive=False, operation=f"save {worker_id}", wait=lock_wait) as held,
+        ):
             self.index.refresh(self.store, self.keyring)
             if parent == "auto":
                 mine = self.list(worker_id)
@@ -357,7 +373,7 @@ class Repository:
                 options=options,
                 progress=progress,
                 deadline=deadline,
-                before_commit=held.confirm,
+                before_commit=lambda: held.confirm(self.max_save_seconds),
             )
 
     def load(
@@ -447,10 +463,10 @@ class Repository:
         """Read and check a manifest. Oversized, malformed, tampered or
         unknown-version manifests raise before any block is read."""
         info = ref if isinstance(ref, CheckpointInfo) else self.resolve(ref)
-        st = self.store.stat(info.name)
-        if st.size > max_bytes:
-            raise document_error(info.name, st.size, max_bytes)
         try:
+            st = self.store.stat(info.name)
+            if st.size > max_bytes:
+                raise document_error(info.name, st.size, max_bytes)
             data = self.store.get(info.name)
         except ObjectNotFound:
             raise CheckpointNotFound(f"checkpoint {info.id} vanished (removed by forget?)") from None
@@ -661,44 +677,55 @@ class Repository:
         lock_wait: float = 0.0,
         stale_lock_after: float = DEFAULT_STALE_AFTER,
         repack_below: float = 0.5,
+        now: bool = False,
+        delete_delay: timedelta | None = None,
     ) -> GcReport:
-        """Mark, repack and sweep, under the exclusive lock (FORMAT.md §9).
+        """Mark, repack, condemn and sweep (FORMAT.md §9).
 
         Live = every blob any manifest references. Among packs older than
-        ``grace`` (young ones may belong to a save that crashed a moment ago,
-        or whose lock went stale while it still runs): a pack with no live
-        blob is deleted; a pack whose live blobs fill less than
-        ``repack_below`` of it has them copied, verbatim and verified, into
-        new packs, then is deleted (0 turns repacking off). Order: new packs
-        durable → one rewritten index document → old index documents deleted
-        → old packs deleted: references go before data. If any manifest
-        cannot be read, nothing is deleted.
+        ``grace`` (young ones may belong to a save that crashed a moment ago):
+        a pack with no live blob is dead; a pack whose live blobs fill less
+        than ``repack_below`` of it is sparse, and has them copied, verbatim
+        and verified, into new packs (0 turns repacking off). Dead and
+        repacked packs are then *condemned*: from then on no save
+        deduplicates against them.
+
+        By default gc runs beside saves (its lock keeps only other gcs out)
+        and deletes a condemned pack only at a later gc, once it has been
+        condemned for ``delete_delay`` on the store's clock (at least twice
+        the longest a save may run, :attr:`max_save_seconds`): by then every
+        save that could have deduplicated against it has committed — and its
+        manifest, read now, rescues the pack — or has aborted. With ``now``
+        gc takes the full exclusive lock (waiting ``lock_wait`` for running
+        saves and keeping new ones out) and deletes at once.
+
+        Order: new packs durable → one rewritten index document → old index
+        documents deleted → packs deleted: references go before data. If any
+        manifest cannot be fetched, nothing is deleted; one that was fetched
+        and does not read is reported and protects nothing.
         """
         if not 0.0 <= repack_below <= 1.0:
             raise ConfigError("repack_below must be between 0 and 1")
-        report = GcReport(dry_run=dry_run)
-        with Lock(self.store, exclusive=True, operation="gc", wait=lock_wait, stale_after=stale_lock_after) as held:
-            infos = self.list()
-            manifests = []
-            for info in infos:
-                # A store failure aborts gc: deleting data on a manifest we
-                # could not fetch could destroy a checkpoint, and so could one
-                # of a format version we do not know (a newer writer's). A
-                # manifest that was fetched and does not read (rotten, planted)
-                # cannot be restored from: it is reported, left in place, and
-                # protects nothing.
-                try:
-                    try:
-                        manifests.append(self.manifest(info))
-                    except UnsupportedVersion:
-                        raise
-                    except (FormatError, IntegrityError):
-                        manifests.append(self.manifest(info))  # a second read: never judge on one torn GET
-                except UnsupportedVersion:
-                    raise  # a newer writer's checkpoint: its references are unknown, delete nothing
-                except (FormatError, IntegrityError) as exc:
-                    log.warning("gc skips an unreadable manifest", extra={"object": info.name, "error": str(exc)})
-                    report.unreadable.append(f"{info.name}: {exc}")
+        delay = delete_delay.total_seconds() if delete_delay is not None else 2 * self.max_save_seconds
+        if not now and delay < 2 * self.max_save_seconds:
+            raise ConfigError(
+                f"delete_delay {delay:.0f}s is shorter than twice the longest a save may run "
+                f"({self.max_save_seconds:.0f}s): a save still running could lose data; use gc --now"
+            )
+        report = GcReport(dry_run=dry_run, exclusive=now)
+        with Lock(
+            self.store,
+            exclusive=True,
+            mode="" if now else "gc",
+            operation="gc",
+            wait=lock_wait if now else 0.0,
+            stale_after=stale_lock_after,
+        ) as held:
+            # The store's time before the manifests are read: a condemnation
+            # ripe at this time was visible to every save whose manifest can
+            # still appear after the read below (FORMAT.md §9).
+            t_now = store_now(self.store, held.name)
+            manifests = self._gc_manifests(report)
             named_packs: set[str] = set()
             live_blobs: set[str] = set()
             for m in manifests:
@@ -712,17 +739,20 @@ class Repository:
                 raise next(iter(self.index.unsupported.values()))
             report.unreadable += [f"{n}: {why}" for n, why in self.index.unreadable.items()]
             indexed = self.index.packs
-            # packs an earlier gc replaced and died before deleting (their blobs live on elsewhere)
-            superseded = self.index.superseded - set(indexed)
-            # young by the store's clock (our lock's write time), not by this host's
-            cutoff = store_now(self.store, held.name) - grace.total_seconds()
-            doomed: list[ObjectInfo] = []
+            superseded = self.index.superseded
+            condemned = self.index.condemned
+            cutoff = t_now - grace.total_seconds()
+            existing: dict[str, ObjectInfo] = {}
+            dead: list[ObjectInfo] = []
             to_repack: list[tuple[ObjectInfo, list[BlobEntry]]] = []
             for o in self.store.list(PACK_PREFIX):
                 pid = o.name.rsplit("/", 1)[-1]
+                existing[pid] = o
+                if pid in condemned or pid in superseded:
+                    continue  # already on its way out
                 rec = indexed.get(pid)
                 live = [e for e in rec.entries if e.id in live_blobs] if rec is not None else []
-                if rec is None and pid in named_packs and pid not in superseded:
+                if rec is None and pid in named_packs:
                     continue  # a manifest names it but no index does: keep, never guess
                 total = sum(e.length for e in rec.entries) if rec is not None else 0
                 live_bytes = sum(e.length for e in live)
@@ -734,35 +764,147 @@ class Repository:
                 if live:
                     to_repack.append((o, live))
                 else:
-                    doomed.append(o)
+                    dead.append(o)
             if dry_run:
+                written: list[PackRecord] = []
                 report.repacked_packs = sorted(o.name for o, _ in to_repack)
             else:
                 written = self._repack(to_repack, report)
-                gone = doomed + [o for o, _ in to_repack if o.name in set(report.repacked_packs)]
-                self._drop_packs(gone, written, report)
-            report.deleted_packs = sorted(o.name for o in doomed)
-            report.deleted_bytes = sum(o.size for o in doomed)
+            repacked = {n.rsplit("/", 1)[-1] for n in report.repacked_packs}
+            fresh = {o.name.rsplit("/", 1)[-1] for o in dead} | repacked
+            # Ripe: deletable now, unless a manifest still needs it (rescue below).
+            ripe = {p for p, t in condemned.items() if now or t_now - t >= delay} | set(superseded)
+            if now:
+                ripe |= fresh
+            ripe &= set(existing)
+            rescued = self._rescue(manifests, ripe, written)
+            doomed = ripe - rescued
+            report.rescued_packs = sorted(existing[p].name for p in rescued)
+            # this run's repacked packs are reported as repacked, not deleted
+            report.deleted_packs = sorted(existing[p].name for p in doomed - repacked)
+            report.deleted_bytes = sum(existing[p].size for p in doomed - repacked)
+            newly = {} if now else {p: 0.0 for p in fresh}
+            report.condemned_packs = sorted(existing[p].name for p in newly)
+            report.pending_packs = len(set(condemned) - ripe)
             if dry_run:
-                gone_ids = {o.name.rsplit("/", 1)[-1] for o in doomed} | {
-                    o.name.rsplit("/", 1)[-1] for o, _ in to_repack
-                }
-                report.rewritten_indexes = sum(
-                    1 for recs in self.index.documents.values() if any(p.id in gone_ids for p in recs)
-                )
+                report.rewritten_indexes = len(self._stale_docs(doomed, rescued))
                 return report
+            # A gc that was suspended may have had its lock taken for stale by another gc, which
+            # may have rescued (un-condemned) what this one is about to delete: do not delete then.
+            held.confirm(stale_after=DEFAULT_STALE_AFTER)  # other gcs judge our lock by the default
+            self._rewrite_index(written, doomed, rescued, newly, set(existing), report)
+            # _repack counted what repacking frees (old size − live bytes copied)
+            report.reclaimed_bytes += report.deleted_bytes
             report.removed_debris = self.store.cleanup(cutoff)
             report.removed_locks = len(remove_stale_locks(self.store, stale_lock_after, keep=held.name))
         log.info(
             "gc done",
             extra={
                 "deleted_packs": len(report.deleted_packs),
+                "condemned_packs": len(report.condemned_packs),
+                "rescued_packs": len(report.rescued_packs),
                 "repacked_packs": len(report.repacked_packs),
                 "deleted_bytes": report.deleted_bytes,
                 "reclaimed_bytes": report.reclaimed_bytes,
             },
         )
         return report
+
+    def _gc_manifests(self, report: GcReport) -> builtins.list[Manifest]:
+        manifests = []
+        for info in self.list():
+            # A store failure aborts gc: deleting data on a manifest we could
+            # not fetch could destroy a checkpoint, and so could one of a
+            # format version we do not know (a newer writer's). A manifest that
+            # was fetched and does not read (rotten, planted) cannot be
+            # restored from: it is reported, left in place, and protects nothing.
+            try:
+                try:
+                    manifests.append(self.manifest(info))
+                except UnsupportedVersion:
+                    raise
+                except (FormatError, IntegrityError):
+                    manifests.append(self.manifest(info))  # a second read: never judge on one torn GET
+            except UnsupportedVersion:
+                raise  # a newer writer's checkpoint: its references are unknown, delete nothing
+            except CheckpointNotFound:
+                continue  # forgotten since the listing: it protects nothing
+            except (FormatError, IntegrityError) as exc:
+                log.warning("gc skips an unreadable manifest", extra={"object": info.name, "error": str(exc)})
+                report.unreadable.append(f"{info.name}: {exc}")
+        return manifests
+
+    def _rescue(
+        self, manifests: builtins.list[Manifest], ripe: set[str], written: builtins.list[PackRecord]
+    ) -> set[str]:
+        """The ripe packs some manifest still needs: those holding every copy of a referenced blob
+        (by its reference's checksum and length) — a save that deduplicated against a pack before
+        its condemnation was visible, or a planted condemnation."""
+        extra: dict[str, builtins.list[BlobEntry]] = {}
+        for rec in written:
+            for e in rec.entries:
+                extra.setdefault(e.id, []).append(e)
+        rescued: set[str] = set()
+        for m in manifests:
+            for b in m.blocks:
+                holders = {
+                    e.pack
+                    for e in [*self.index.copies(b.blob), *extra.get(b.blob, ())]
+                    if e.checksum == b.checksum and e.length == b.length
+                } or {b.pack}
+                if holders <= ripe:
+                    rescued |= holders
+        return rescued
+
+    def _stale_docs(self, doomed: set[str], rescued: set[str]) -> builtins.list[str]:
+        """Index documents a rewrite replaces: those naming a doomed pack, or condemning or
+        superseding a pack that is going now or was rescued."""
+        touched = doomed | rescued
+        return [
+            n
+            for n, recs in self.index.documents.items()
+            if any(p.id in doomed for p in recs)
+            or touched & self.index.condemned_by(n).keys()
+            or touched & self.index.superseded_by(n)
+        ]
+
+    def _rewrite_index(
+        self,
+        added: builtins.list[PackRecord],
+        doomed: set[str],
+        rescued: set[str],
+        newly: dict[str, float],
+        existing: set[str],
+        report: GcReport,
+    ) -> None:
+        """One new index document (new packs, the survivors of the documents it replaces, their
+        still-pending condemnations with their times, new condemnations, and the doomed packs as
+        superseded), then the replaced documents deleted, then the doomed packs deleted."""
+        stale = self._stale_docs(doomed, rescued)
+        keep: dict[str, PackRecord] = {p.id: p for p in added}
+        pending: dict[str, float] = dict(newly)
+        superseded = set(doomed)
+        docs = self.index.documents
+        for n in stale:
+            for rec in docs.get(n, ()):
+                if rec.id not in doomed:
+                    keep.setdefault(rec.id, rec)
+            for pid, t in self.index.condemned_by(n).items():
+                if pid not in doomed and pid not in rescued and pid in existing:
+                    pending[pid] = min(t, pending.get(pid, t))
+            # carried until the packs are really gone: a crash before the deletes leaves the next gc the list
+            superseded |= {pid for pid in self.index.superseded_by(n) if pid in existing and pid not in rescued}
+        if keep or superseded or pending:
+            name = index_name(secrets.token_hex(16))
+            self.store.put(name, encode_index(name, keep.values(), self.keyring, superseded, pending))
+        for n in stale:
+            with contextlib.suppress(ObjectNotFound):
+                self.store.delete(n)
+        report.rewritten_indexes = len(stale)
+        for p in sorted(doomed):
+            with contextlib.suppress(ObjectNotFound):
+                self.store.delete(pack_name(p))
+        self.index.refresh(self.store, self.keyring)
 
     def _repack(
         self, to_repack: builtins.list[tuple[ObjectInfo, builtins.list[BlobEntry]]], report: GcReport
@@ -801,31 +943,6 @@ class Repository:
             report.reclaimed_bytes += o.size - sum(e.length for e in live)
         flush()
         return written
-
-    def _drop_packs(self, gone: builtins.list[ObjectInfo], added: builtins.list[PackRecord], report: GcReport) -> None:
-        """Rewrite the index without ``gone`` (and with ``added``), then delete ``gone``."""
-        gone_ids = {o.name.rsplit("/", 1)[-1] for o in gone}
-        docs = self.index.documents
-        stale_docs = [n for n, recs in docs.items() if any(p.id in gone_ids for p in recs)]
-        keep: dict[str, PackRecord] = {p.id: p for p in added}
-        for n in stale_docs:
-            for p in docs[n]:
-                if p.id not in gone_ids:
-                    keep.setdefault(p.id, p)
-        # Carried forward until the packs are really gone: a crash between the
-        # index rewrite and the deletes leaves the next gc the list.
-        existing = {o.name.rsplit("/", 1)[-1] for o in self.store.list(PACK_PREFIX)}
-        superseded = gone_ids | (self.index.superseded & existing)
-        if keep or gone_ids:
-            name = index_name(secrets.token_hex(16))
-            self.store.put(name, encode_index(name, keep.values(), self.keyring, superseded))
-        for n in stale_docs:
-            self.store.delete(n)
-        report.rewritten_indexes = len(stale_docs)
-        for o in gone:
-            self.store.delete(o.name)
-        report.reclaimed_bytes += sum(o.size for o in gone if o.name not in set(report.repacked_packs))
-        self.index.refresh(self.store, self.keyring)
 
     def stats(self) -> dict[str, int]:
         """Object counts and bytes by kind (packs, index, manifests, locks)."""

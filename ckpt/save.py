@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -289,7 +290,8 @@ class _Saver:
     # -- upload stage ------------------------------------------------------------------
 
     def _submit_upload(self, pw: PackWriter) -> None:
-        fut = self.upload_pool.submit(self._upload, pw)
+        # the upload carries this save's context: its deadline bounds the store's retries
+        fut = self.upload_pool.submit(contextvars.copy_context().run, self._upload, pw)
         with self.lock:
             self.uploads.append(fut)
 
@@ -447,7 +449,12 @@ def save_checkpoint(
     try:
         refs, entries = saver.run(blocks, namespace)
     except BaseException:
-        saver.discard_written()
+        if deadline is not None and time.monotonic() > deadline:
+            # past the deadline the caller must not wait on a store that may be hanging:
+            # the clean-up is best effort anyway (gc reclaims what it leaves)
+            threading.Thread(target=saver.discard_written, name="gpuckpt-discard", daemon=True).start()
+        else:
+            saver.discard_written()
         raise
     t_blocks = time.monotonic() - t0
 

@@ -6,7 +6,9 @@ against their own stores, in the manner of kopia's testing kit.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -128,3 +130,73 @@ class KilledStore(FaultyStore):
         except SimulatedCrash:
             self.dead = True
             raise
+
+
+class VirtualClock:
+    """A store's clock for tests: stamps objects when they are written and
+    moves only when told (``advance``) or by ``tick`` per store call.
+
+    Shared by every :class:`ClockedStore` over one inner store, so several
+    ``Repository`` objects (a gc's, a save's) see one timeline; tests can
+    also hand :meth:`now` to code that reads a host clock.
+    """
+
+    def __init__(self, start: float | None = None, tick: float = 1.0) -> None:
+        # from the host's time: checkpoint ids carry the writer's clock, and ids far
+        # from the store's clock are taken for future-dated
+        self._now = time.time() if start is None else start
+        self.tick = tick
+        self.stamps: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+    def step(self) -> float:
+        with self._lock:
+            self._now += self.tick
+            return self._now
+
+
+class ClockedStore(FaultyStore):
+    """A :class:`FaultyStore` whose modification times come from a :class:`VirtualClock`,
+    and which calls ``hook(n, method, name)`` before its ``n``-th call (1-based) — the place to
+    run a competing operation at every step of this one."""
+
+    def __init__(
+        self,
+        inner: Store,
+        clock: VirtualClock,
+        faults: list[Fault] | None = None,
+        hook: Callable[[int, str, str], None] | None = None,
+    ) -> None:
+        super().__init__(inner, faults)
+        self.clock = clock
+        self.hook = hook
+        self.count = 0
+
+    def _run(self, method: str, name: str, fn: Callable[[], object]) -> object:
+        with self._lock:
+            self.count += 1
+            n = self.count
+        if self.hook is not None:
+            self.hook(n, method, name)
+        t = self.clock.step()
+        if method == "put":
+            # stamped when the write begins, as S3's LastModified is
+            self.clock.stamps[name] = t
+        return super()._run(method, name, fn)
+
+    def _stamped(self, o: ObjectInfo) -> ObjectInfo:
+        return dataclasses.replace(o, mtime=self.clock.stamps.get(o.name, 0.0))
+
+    def stat(self, name: str) -> ObjectInfo:
+        return self._stamped(super().stat(name))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return iter([self._stamped(o) for o in super().list(prefix)])

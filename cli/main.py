@@ -9,7 +9,7 @@ Commands::
     gpuckpt inspect CKPT [--blocks]                a manifest
     gpuckpt verify [CKPT] [--no-read-data]         check stored data (exit 4 on problems)
     gpuckpt compat CKPT [--worker-facts F.json]    may CKPT be restored warm here? (exit 5 if not)
-    gpuckpt gc [--grace 1h] [--dry-run]            delete unreferenced data
+    gpuckpt gc [--grace 1h] [--dry-run] [--now]    delete unreferenced data
     gpuckpt forget [--keep-last N] [--keep-within 7d] [--worker W] [--dry-run]
     gpuckpt rm CKPT                                remove one checkpoint
     gpuckpt stats                                  object counts and bytes
@@ -736,13 +736,37 @@ def gc_cmd(
             help="Repack packs whose live blobs fill less than this fraction of them (0: never).",
         ),
     ] = 0.5,
+    now: Annotated[
+        bool,
+        typer.Option(
+            "--now",
+            help="Wait for running saves, keep new ones out, and delete at once "
+            "(default: run beside saves; what is condemned now is deleted by a gc an hour or more later).",
+        ),
+    ] = False,
+    lock_wait: Annotated[
+        timedelta,
+        typer.Option(
+            "--lock-wait",
+            parser=_duration,
+            metavar="DURATION",
+            show_default="0s",
+            help="With --now: wait this long for running saves.",
+        ),
+    ] = timedelta(0),
     repo: RepoOpt = None,
     key: KeyOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Delete data no checkpoint references, repacking sparse packs (takes the exclusive lock)."""
+    """Delete data no checkpoint references, repacking sparse packs.
+
+    By default gc never holds up a save: it condemns what is garbage now and
+    deletes what an earlier gc condemned long enough ago (twice the longest a
+    save may run), unless a checkpoint committed since needs it."""
     with _open_repo(ctx, repo, key) as r:
-        report = r.gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
+        report = r.gc(
+            grace=grace, dry_run=dry_run, repack_below=repack_below, now=now, lock_wait=lock_wait.total_seconds()
+        )
     if json_:
         _emit_json(asdict(report))
         return
@@ -756,6 +780,12 @@ def gc_cmd(
         f"document(s); removed {report.removed_locks} stale lock(s), "
         f"{report.removed_debris} temporary file(s)"
     )
+    if not report.exclusive:
+        typer.echo(
+            f"{'would condemn' if dry_run else 'condemned'} {len(report.condemned_packs)} pack(s) "
+            f"(deleted by a later gc); {report.pending_packs} condemned earlier and not yet due; "
+            f"{len(report.rescued_packs)} rescued (a checkpoint committed since needs them)"
+        )
     for line in report.unreadable:
         typer.echo(f"  skipped (unreadable, left in place): {_one_line(line)}")
 

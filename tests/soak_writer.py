@@ -1,6 +1,6 @@
 """A writer for the soak test: saves checkpoints into a local repository until killed.
 
-``python soak_writer.py ROOT WORKER SEED``. Blocks share a "system prompt"
+``python soak_writer.py ROOT WORKER SEED MAX_SAVE_S``. Blocks share a "system prompt"
 with the other writers (deduplication across workers), and a fault kit
 fails one store put in twenty (a flaky bucket): such a save fails cleanly
 and the writer goes on.
@@ -22,13 +22,14 @@ from ckpt.testing import Fault, FaultyStore
 
 
 def main() -> None:
-    root, worker, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    root, worker, seed, max_save = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     rng = random.Random(seed)
     shared = [Block(f"system-{i}".encode(), random.Random(i).randbytes(8192), "uint8", (8192,)) for i in range(4)]
     n = 0
     while True:
         faults = [Fault("put", nth=rng.randint(1, 40), match=lambda name: not name.startswith("locks/"))]
         repo = Repository.open(FaultyStore(LocalStore(root), faults))
+        repo.max_save_seconds = max_save  # the soak's gc deletes condemned packs after twice this
         own = [Block(f"{worker}-{n}-{i}".encode(), rng.randbytes(8192), "uint8", (8192,)) for i in range(6)]
         try:
             repo.save(

@@ -317,7 +317,7 @@ def test_index_envelope_errors() -> None:
     assert len(list(fresh.load(m.id))) == 1
     before = {o.name for o in base.store.list("") if not o.name.startswith("locks/")}
     with pytest.raises(UnsupportedVersion, match=name):
-        fresh.gc(grace=timedelta(0))
+        fresh.gc(now=True, grace=timedelta(0))
     assert {o.name for o in base.store.list("") if not o.name.startswith("locks/")} == before
 
 

@@ -376,10 +376,18 @@ def test_gc_forget_rm_stats(repo_dir: tuple[Path, ckpt.Manifest], here: HostFact
     assert r.exit_code == 0, r.output
     assert as_json(r)["deleted_packs"] == []
     assert as_json(r)["kept_young_packs"] == 2
-    r = run("-r", str(path), "gc", "--grace", "0s", "--dry-run", "--json")
+    # beside saves (the default): condemned now, deleted by a gc twice a save's limit later
+    r = run("-r", str(path), "gc", "--grace", "0s", "--json")
+    assert r.exit_code == 0, r.output
+    assert (len(as_json(r)["condemned_packs"]), as_json(r)["deleted_packs"]) == (2, [])
+    assert as_json(run("-r", str(path), "stats", "--json"))["packs_count"] == 3
+    r = run("-r", str(path), "gc", "--grace", "0s", "--json")
+    assert (as_json(r)["condemned_packs"], as_json(r)["pending_packs"], as_json(r)["deleted_packs"]) == ([], 2, [])
+    assert "2 condemned earlier and not yet due" in run("-r", str(path), "gc", "--grace", "0s").stdout
+    r = run("-r", str(path), "gc", "--grace", "0s", "--now", "--dry-run", "--json")
     assert len(as_json(r)["deleted_packs"]) == 2
     assert as_json(r)["dry_run"] is True
-    r = run("-r", str(path), "gc", "--grace", "0s", "--json")
+    r = run("-r", str(path), "gc", "--grace", "0s", "--now", "--json")
     assert len(as_json(r)["deleted_packs"]) == 2
     stats = as_json(run("-r", str(path), "stats", "--json"))
     assert stats["packs_count"] == 1
@@ -408,7 +416,8 @@ def test_forget_needs_a_policy(repo_dir: tuple[Path, ckpt.Manifest]) -> None:
 def test_locked_is_exit_6(repo_dir: tuple[Path, ckpt.Manifest]) -> None:
     path, _ = repo_dir
     with Lock(ckpt.LocalStore(path), exclusive=False, operation="save w9"):
-        r = run("-r", str(path), "gc", "--json")
+        assert run("-r", str(path), "gc", "--json").exit_code == 0  # runs beside saves
+        r = run("-r", str(path), "gc", "--now", "--json")
     assert r.exit_code == 6, r.output
     assert as_json(r)["error"]["type"] == "RepositoryLocked"
     one_error_line(r)

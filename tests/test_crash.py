@@ -145,17 +145,17 @@ def check_after_crash(
     locks = list_locks(repo.store)
     if any(not lk.holder_dead() for lk in locks):
         with pytest.raises(RepositoryLocked) as ei:
-            repo.gc(grace=timedelta(0), dry_run=True)
+            repo.gc(now=True, grace=timedelta(0), dry_run=True)
         assert "save" in str(ei.value)
     elif locks:
-        repo.gc(grace=timedelta(0), dry_run=True)  # not held off
+        repo.gc(now=True, grace=timedelta(0), dry_run=True)  # not held off
     # ...but never blocks a later save (shared locks do not conflict).
     later_blocks = later_blocks or (new_blocks[:6] + make_blocks("later", 3, 16 * KiB, 99))
     later = save(repo, later_blocks, worker="w1", lock_wait=0)
     assert_loads_exact(repo, later, later_blocks)
 
     # One gc treating every lock as stale reclaims all the garbage, nothing live.
-    repo.gc(grace=timedelta(0), stale_lock_after=0)
+    repo.gc(now=True, grace=timedelta(0), stale_lock_after=0)
     fresh = Repository.open(LocalStore(root, fsync=False))
     assert list_locks(fresh.store) == []
     on_disk = pack_ids(fresh.store)
@@ -241,10 +241,10 @@ def test_crash_after_lock_write_leaves_a_stale_able_lock(tmp_path: Path) -> None
     assert (locks[0].exclusive, locks[0].operation, locks[0].pid) == (False, "save w0", os.getpid())
     repo = Repository.open(inner)
     with pytest.raises(RepositoryLocked) as ei:
-        repo.gc()
+        repo.gc(now=True)
     assert locks[0].name in str(ei.value)
     assert "'save w0'" in str(ei.value)
-    report = repo.gc(grace=timedelta(0), stale_lock_after=0)
+    report = repo.gc(now=True, grace=timedelta(0), stale_lock_after=0)
     assert report.removed_locks == 1
     assert list_locks(inner) == []
     assert_loads_exact(repo, prev.id, PREV)
@@ -535,7 +535,7 @@ def test_s3_multipart_part_dropped(s3_repo: Repository, abort_fails: bool) -> No
     if abort_fails:
         assert len(_uploads(repo)) == 1  # invisible debris, until gc
         time.sleep(1.1)  # S3 records upload initiation to the second
-        repo.gc(grace=timedelta(0))
+        repo.gc(now=True, grace=timedelta(0))
     assert _uploads(repo) == []
     assert pack_ids(repo.store) == live_packs(repo)
     assert repo.verify().ok
@@ -582,7 +582,7 @@ def test_s3_server_goes_away_mid_save(seaweed: Any, tmp_path: Path) -> None:
         assert [c.id for c in repo.list()] == [prev.id]
         assert_loads_exact(repo, prev.id, prev_blocks)
         # The failed save could neither remove its packs nor its lock: gc does.
-        repo.gc(grace=timedelta(0), stale_lock_after=0)
+        repo.gc(now=True, grace=timedelta(0), stale_lock_after=0)
         assert pack_ids(repo.store) == live_packs(repo)
         assert list_locks(repo.store) == []
         assert repo.verify().ok

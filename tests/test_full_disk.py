@@ -82,7 +82,7 @@ def fill_the_disk(root: Path, free: Callable[[], int]) -> None:
     assert_loads_exact(fresh, m1.id, first)
 
     # gc gives the space back and leaves a clean repository.
-    fresh.gc(grace=timedelta(0), stale_lock_after=0)
+    fresh.gc(now=True, grace=timedelta(0), stale_lock_after=0)
     assert pack_ids(fresh) == {b.pack for b in m1.blocks}
     assert list_locks(fresh.store) == []
     assert not [p for p in root.rglob("*") if "#tmp-" in p.name]

@@ -132,14 +132,14 @@ def test_gc_keeps_live_and_deletes_dead_after_forget(tmp_path: Path) -> None:
     dead = packs_of(h.A) - packs_of(h.B)
     assert dead
     # Before forget, gc has nothing to do.
-    nothing = h.repo.gc(grace=GRACE0)
+    nothing = h.repo.gc(now=True, grace=GRACE0)
     assert (nothing.deleted_packs, nothing.rewritten_indexes) == ([], 0)
 
     other = Repository.open(LocalStore(tmp_path, fsync=False))  # has the old index cached
     other.index.refresh(other.store, other.keyring)
     h.forget_a()
     sizes = {o.name.rsplit("/", 1)[-1]: o.size for o in h.store.list("packs/")}
-    report = h.repo.gc(grace=GRACE0)
+    report = h.repo.gc(now=True, grace=GRACE0)
     assert {n.rsplit("/", 1)[-1] for n in report.deleted_packs} == dead
     assert report.deleted_bytes == sum(sizes[p] for p in dead)
     assert report.rewritten_indexes == 1  # A's document: one pack kept, one dropped
@@ -161,7 +161,7 @@ def test_gc_grace_keeps_young_unreferenced_packs(tmp_path: Path) -> None:
     h.forget_a()
     dead = packs_of(h.A) - packs_of(h.B)
     before = pack_ids(h.store)
-    report = h.repo.gc(grace=timedelta(hours=1))
+    report = h.repo.gc(now=True, grace=timedelta(hours=1))
     assert report.deleted_packs == []
     assert report.kept_young_packs == len(dead)
     assert pack_ids(h.store) == before
@@ -169,7 +169,7 @@ def test_gc_grace_keeps_young_unreferenced_packs(tmp_path: Path) -> None:
     old = time.time() - 2 * 3600
     for o in h.store.list("packs/"):
         os.utime(h.store._path(o.name), (old, old))
-    report = h.repo.gc(grace=timedelta(hours=1))
+    report = h.repo.gc(now=True, grace=timedelta(hours=1))
     assert {n.rsplit("/", 1)[-1] for n in report.deleted_packs} == dead
     assert report.kept_young_packs == 0
     assert_clean(tmp_path, h.live)
@@ -182,13 +182,13 @@ def test_dry_run_deletes_nothing(tmp_path: Path) -> None:
     assert len(h.repo.list()) == 3
     h.forget_a()
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    dry = h.repo.gc(grace=GRACE0, dry_run=True)
+    dry = h.repo.gc(now=True, grace=GRACE0, dry_run=True)
     assert dry.dry_run
     assert dry.deleted_packs
     assert dry.rewritten_indexes == 1
     after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert after == files
-    real = h.repo.gc(grace=GRACE0)
+    real = h.repo.gc(now=True, grace=GRACE0)
     assert real.deleted_packs == dry.deleted_packs
     assert real.deleted_bytes == dry.deleted_bytes
     assert_clean(tmp_path, h.live)
@@ -211,7 +211,7 @@ def test_gc_order_references_before_data(forgotten_history: History, tmp_path: P
     root = tmp_path / "copy"
     shutil.copytree(forgotten_history.root, root)
     fs = FaultyStore(LocalStore(root, fsync=False))
-    Repository.open(fs).gc(grace=GRACE0)
+    Repository.open(fs).gc(now=True, grace=GRACE0)
     writes = [(m, n.split("/", 1)[0]) for m, n in fs.log if m in ("put", "delete")]
     first_pack_delete = writes.index(("delete", "packs"))
     assert ("put", "index") in writes[:first_pack_delete]
@@ -224,7 +224,7 @@ def test_gc_killed_at_every_write_then_rerun(forgotten_history: History, tmp_pat
     probe = tmp_path / "probe"
     shutil.copytree(h.root, probe)
     fs = FaultyStore(LocalStore(probe, fsync=False))
-    Repository.open(fs).gc(grace=GRACE0, stale_lock_after=0)
+    Repository.open(fs).gc(now=True, grace=GRACE0, stale_lock_after=0)
     writes = [(m, n) for m, n in fs.log if m in ("put", "delete")]
     counts = {m: sum(1 for w in writes if w[0] == m) for m in ("put", "delete")}
     assert counts["put"] >= 2  # the lock, the rewritten index
@@ -240,7 +240,7 @@ def test_gc_killed_at_every_write_then_rerun(forgotten_history: History, tmp_pat
                 inner = LocalStore(root, fsync=False)
                 fs = KilledStore(inner, [Fault(method=method, nth=n, error=SimulatedCrash, after=after)])
                 with pytest.raises(SimulatedCrash):
-                    Repository.open(fs).gc(grace=GRACE0, stale_lock_after=0)
+                    Repository.open(fs).gc(now=True, grace=GRACE0, stale_lock_after=0)
                 what = f"gc killed at {method} #{n} (after={after})"
                 # Every checkpoint still loads, and no index names a deleted pack.
                 repo = Repository.open(inner)
@@ -255,7 +255,7 @@ def test_gc_killed_at_every_write_then_rerun(forgotten_history: History, tmp_pat
                         save(repo, blocks("x", 1), lock_wait=0)
                     assert "'gc'" in str(ei.value)
                 # ...and a second gc finishes the job.
-                repo.gc(grace=GRACE0, stale_lock_after=0)
+                repo.gc(now=True, grace=GRACE0, stale_lock_after=0)
                 assert list_locks(inner) == [], what
                 try:
                     assert_clean(root, live)
@@ -284,7 +284,7 @@ def test_gc_skips_and_reports_an_unreadable_manifest_and_keeps_every_readable_ch
     else:  # a valid manifest copied under another name: it says it is someone else
         data = good
     h.store.put(bad_name, data)
-    report = h.repo.gc(grace=GRACE0)
+    report = h.repo.gc(now=True, grace=GRACE0)
     assert any(bad_name in u for u in report.unreadable), report.unreadable
     assert h.store.get(bad_name) == data  # reported, never deleted
     assert list_locks(h.store) == []
@@ -315,7 +315,7 @@ def test_gc_refuses_while_a_save_holds_its_shared_lock(tmp_path: Path) -> None:
     try:
         assert entered.wait(10)
         with pytest.raises(RepositoryLocked) as ei:
-            Repository.open(LocalStore(tmp_path, fsync=False)).gc(grace=GRACE0)
+            Repository.open(LocalStore(tmp_path, fsync=False)).gc(now=True, grace=GRACE0)
         msg = str(ei.value)
         assert "'save saver'" in msg
         assert "shared lock" in msg
@@ -330,7 +330,7 @@ def test_gc_refuses_while_a_save_holds_its_shared_lock(tmp_path: Path) -> None:
     assert isinstance(result[0], Manifest)
     assert_loads(repo, result[0], bl)
     assert list_locks(repo.store) == []
-    repo.gc(grace=GRACE0)
+    repo.gc(now=True, grace=GRACE0)
 
 
 def test_a_save_whose_lock_a_gc_took_for_stale_never_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -357,7 +357,7 @@ def test_a_save_whose_lock_a_gc_took_for_stale_never_commits(tmp_path: Path, mon
     try:
         assert entered.wait(10)
         # The suspended host's lock looks stale to a gc elsewhere (here: stale at once).
-        report = Repository.open(LocalStore(tmp_path, fsync=False)).gc(grace=GRACE0, stale_lock_after=0)
+        report = Repository.open(LocalStore(tmp_path, fsync=False)).gc(now=True, grace=GRACE0, stale_lock_after=0)
         assert report.deleted_packs, "the unreferenced pack was not deleted"
         real = lock_mod._boottime
         monkeypatch.setattr(lock_mod, "_boottime", lambda: real() + 3600)  # the host slept an hour
@@ -389,7 +389,7 @@ def test_save_waits_for_or_refuses_a_running_gc(tmp_path: Path) -> None:
     h.forget_a()
     gated = GcGate(h.store)
     reports: list[Any] = []
-    t = threading.Thread(target=lambda: reports.append(Repository.open(gated).gc(grace=GRACE0)))
+    t = threading.Thread(target=lambda: reports.append(Repository.open(gated).gc(now=True, grace=GRACE0)))
     t.start()
     try:
         assert gated.entered.wait(10)
@@ -436,16 +436,16 @@ def test_gc_removes_stale_locks_only(tmp_path: Path) -> None:
     repo.store.put(name, document.seal(KIND, VERSION, name, body, None))
     # The writer's clock says two hours ago; the store wrote it just now: live.
     with pytest.raises(RepositoryLocked, match="save dead"):
-        repo.gc(grace=GRACE0)
+        repo.gc(now=True, grace=GRACE0)
     # Stale is judged by the store's clock: its last write two hours ago.
     old = time.time() - 7200
     os.utime(tmp_path / name, (old, old))
     with Lock(repo.store, exclusive=False, operation="save alive"):
         # A live shared lock blocks gc; the stale one does not.
         with pytest.raises(RepositoryLocked) as ei:
-            repo.gc(grace=GRACE0)
+            repo.gc(now=True, grace=GRACE0)
         assert "'save alive'" in str(ei.value)
-    report = repo.gc(grace=GRACE0)  # stale after the default 30 minutes
+    report = repo.gc(now=True, grace=GRACE0)  # stale after the default 30 minutes
     assert report.removed_locks == 1
     assert list_locks(repo.store) == []
 
@@ -531,7 +531,7 @@ def test_forget_then_gc_reclaims_and_keeps_loading(
 ) -> None:
     repo, _ = many
     repo.forget(keep_last=1)
-    repo.gc(grace=GRACE0)
+    repo.gc(now=True, grace=GRACE0)
     referenced = {b.pack for m in repo.manifests() for b in m.blocks}
     assert pack_ids(repo.store) == referenced
     for c in repo.list():

@@ -42,7 +42,7 @@ def test_a_shared_lock_that_cannot_be_read_stops_gc(repo: Repository) -> None:
     with Lock(repo.store, exclusive=False, operation="save alive") as held:
         fs = FaultyStore(repo.store, [Fault("get", match=lambda n: n == held.name, times=100)])
         with pytest.raises(RepositoryLocked, match="cannot judge the repository's locks"):
-            Repository.open(fs).gc(grace=GRACE0)
+            Repository.open(fs).gc(now=True, grace=GRACE0)
     assert [lk.operation for lk in list_locks(repo.store)] == []  # gc left no lock behind
 
 
@@ -57,7 +57,7 @@ def test_a_lock_of_a_newer_version_stops_saves_and_gc(repo: Repository) -> None:
     assert info is not None
     assert info.newer
     with pytest.raises(RepositoryLocked, match=name):
-        repo.gc(grace=GRACE0)
+        repo.gc(now=True, grace=GRACE0)
     with pytest.raises(RepositoryLocked, match=name):
         repo.save([make_block(1, "bfloat16", (4, 8), 1)], worker_id="w0", namespace=NS, pins=sample_pins(), lock_wait=0)
 
@@ -69,10 +69,10 @@ def test_a_torn_lock_stops_gc_until_it_is_stale_by_the_stores_clock_and_never_st
     _plant(repo.store, name, b'{"format": "gpuckpt-lock", "vers')
     save(repo, 1)  # saves go on
     with pytest.raises(RepositoryLocked, match="unreadable lock"):
-        repo.gc(grace=GRACE0)
+        repo.gc(now=True, grace=GRACE0)
     old = time.time() - 3 * 3600
     os.utime(tmp_path / "repo" / name, (old, old))
-    report = repo.gc(grace=GRACE0)
+    report = repo.gc(now=True, grace=GRACE0)
     assert report.removed_locks == 1
 
 
@@ -100,7 +100,7 @@ def test_a_sigkilled_holders_lock_on_this_host_is_stale_at_once(repo: Repository
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     save(repo, 3)  # not held off for 30 minutes
-    report = repo.gc(grace=GRACE0)
+    report = repo.gc(now=True, grace=GRACE0)
     assert report.removed_locks == 1
     assert list_locks(repo.store) == []
 
@@ -114,7 +114,7 @@ def test_a_writers_clock_is_not_the_judge_of_staleness(repo: Repository) -> None
         assert not info.stale(repo.store.stat(held.name).mtime + 60, 1800)
         assert body["operation"] == "save skewed"
         with pytest.raises(RepositoryLocked, match="save skewed"):
-            repo.gc(grace=GRACE0)
+            repo.gc(now=True, grace=GRACE0)
 
 
 class BlockingPuts(Store):
@@ -186,7 +186,7 @@ def test_a_role_that_may_not_delete_leaves_a_released_marker(repo: Repository) -
     Repository.open(fs).save([make_block(5, "bfloat16", (4, 8), 5)], worker_id="w0", namespace=NS, pins=sample_pins())
     assert [o.name for o in repo.store.list("locks/")]  # the object is still there...
     assert list_locks(repo.store) == []  # ...as a released marker
-    repo.gc(grace=GRACE0)  # which does not hold gc off (and gc may delete it)
+    repo.gc(now=True, grace=GRACE0)  # which does not hold gc off (and gc may delete it)
 
 
 def test_a_lock_whose_refresh_failed_or_that_slept_commits_nothing(
@@ -211,7 +211,7 @@ def test_a_lock_whose_refresh_failed_or_that_slept_commits_nothing(
         lk.confirm()
     lk.release()
     # A save whose lock cannot be confirmed makes nothing visible.
-    monkeypatch.setattr(Lock, "confirm", lambda self: (_ for _ in ()).throw(OperationAborted("lock not fresh")))
+    monkeypatch.setattr(Lock, "confirm", lambda self, *a: (_ for _ in ()).throw(OperationAborted("lock not fresh")))
     before = [c.id for c in repo.list()]
     with pytest.raises(OperationAborted):
         save(repo, 9)
@@ -244,4 +244,4 @@ def test_gpuckpt_unlock_removes_stale_locks_and_refuses_live_ones(repo: Reposito
 def test_an_unreachable_store_is_not_taken_for_no_locks(repo: Repository) -> None:
     fs = FaultyStore(repo.store, [Fault("list", match=lambda p: p.startswith("locks"), times=10**6)])
     with pytest.raises((RepositoryLocked, StoreUnavailable)):
-        Repository.open(fs).gc(grace=GRACE0)
+        Repository.open(fs).gc(now=True, grace=GRACE0)

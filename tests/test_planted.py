@@ -52,7 +52,7 @@ def test_an_unreadable_index_document_stops_neither_saves_nor_gc(repo: Repositor
         repo.store.put(name, bytes(data))
     fresh = Repository.open(repo.store, key=repo.keyring)
     m2 = save(fresh, 2)
-    report = fresh.gc(grace=GRACE0)
+    report = fresh.gc(now=True, grace=GRACE0)
     assert any(name in u for u in report.unreadable), report.unreadable
     assert repo.store.stat(name)  # reported, never deleted
     for m in (m1, m2):
@@ -82,7 +82,7 @@ def test_future_dated_garbage_manifests_fool_neither_latest_nor_forget_nor_gc(re
         loads_whole(repo, m)
     for name in planted:
         assert repo.store.stat(name)  # not forgotten either: retention never deletes what it cannot read
-    report = repo.gc(grace=GRACE0)
+    report = repo.gc(now=True, grace=GRACE0)
     assert len([u for u in report.unreadable if "2099" in u]) == 3
 
 

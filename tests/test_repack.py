@@ -66,7 +66,7 @@ def test_sparse_pack_is_repacked_and_old_manifest_still_loads(tmp_path: Path, ke
     root = tmp_path / "r"
     repo, b, b_blocks = sparse_repo(root, key)
     before = store_bytes(root)
-    report = repo.gc(grace=timedelta(0))
+    report = repo.gc(now=True, grace=timedelta(0))
     assert len(report.repacked_packs) == 1
     assert report.deleted_packs == []
     assert report.reclaimed_bytes > 0
@@ -83,7 +83,7 @@ def test_sparse_pack_is_repacked_and_old_manifest_still_loads(tmp_path: Path, ke
     assert fresh.verify(b.id, read_data=False).ok
     assert fresh.verify().ok
     # A second gc has nothing left to do, and the data still loads.
-    again = fresh.gc(grace=timedelta(0))
+    again = fresh.gc(now=True, grace=timedelta(0))
     assert again.repacked_packs == []
     assert again.deleted_packs == []
     loads_exact(fresh, b.id, b_blocks)
@@ -94,7 +94,7 @@ def test_a_repository_object_with_a_stale_index_loads_after_repack(tmp_path: Pat
     repo, b, b_blocks = sparse_repo(root, None)
     other = Repository.open(LocalStore(root))
     other.index.refresh(other.store, other.keyring)  # cached before the gc
-    repo.gc(grace=timedelta(0))
+    repo.gc(now=True, grace=timedelta(0))
     loads_exact(other, b.id, b_blocks)
     # A later save from the stale object dedups against the moved blobs.
     c = save(other, b_blocks[:5], worker="w2")
@@ -106,9 +106,9 @@ def test_repack_can_be_turned_off_and_dry_run_changes_nothing(tmp_path: Path) ->
     root = tmp_path / "r"
     repo, b, b_blocks = sparse_repo(root, None)
     before = sorted(p.name for p in (root / "packs").rglob("*") if p.is_file())
-    dry = repo.gc(grace=timedelta(0), dry_run=True)
+    dry = repo.gc(now=True, grace=timedelta(0), dry_run=True)
     assert len(dry.repacked_packs) == 1
-    off = repo.gc(grace=timedelta(0), repack_below=0)
+    off = repo.gc(now=True, grace=timedelta(0), repack_below=0)
     assert off.repacked_packs == []
     assert sorted(p.name for p in (root / "packs").rglob("*") if p.is_file()) == before
     loads_exact(repo, b.id, b_blocks)
@@ -122,7 +122,7 @@ def test_a_pack_that_does_not_verify_is_not_repacked(tmp_path: Path) -> None:
     first = min(r.offset for r in b.blocks[:3] if r.pack == sparse.name)
     raw[first + 5] ^= 0xFF
     sparse.write_bytes(raw)
-    report = repo.gc(grace=timedelta(0))
+    report = repo.gc(now=True, grace=timedelta(0))
     assert report.repacked_packs == []
     assert sparse.exists()
 
@@ -132,7 +132,7 @@ def test_gc_repack_crashed_at_every_write_loses_nothing(tmp_path: Path, method: 
     probe_root = tmp_path / "probe"
     repo, _, _ = sparse_repo(probe_root, None)
     fs = FaultyStore(repo.store)
-    Repository.open(fs).gc(grace=timedelta(0), stale_lock_after=0)
+    Repository.open(fs).gc(now=True, grace=timedelta(0), stale_lock_after=0)
     n_calls = fs.calls.get(method, 0)
     assert n_calls >= 2
     for n in range(1, n_calls + 1):
@@ -140,10 +140,10 @@ def test_gc_repack_crashed_at_every_write_loses_nothing(tmp_path: Path, method: 
         _, b, b_blocks = sparse_repo(root, None)
         crashing = Repository.open(FaultyStore(LocalStore(root), [Fault(method=method, nth=n, error=SimulatedCrash)]))
         with pytest.raises(SimulatedCrash):
-            crashing.gc(grace=timedelta(0), stale_lock_after=0)
+            crashing.gc(now=True, grace=timedelta(0), stale_lock_after=0)
         fresh = Repository.open(LocalStore(root))
         loads_exact(fresh, b.id, b_blocks)
-        fresh.gc(grace=timedelta(0), stale_lock_after=0)
+        fresh.gc(now=True, grace=timedelta(0), stale_lock_after=0)
         loads_exact(fresh, b.id, b_blocks)
         assert fresh.verify().ok
         # ...and converges: no pack is left that no index lists (a superseded pack
@@ -183,7 +183,7 @@ def test_two_copies_of_one_blob_in_an_encrypted_repository_survive_a_repack(tmp_
     repo = open_repo()
     repo.delete(m0.id)
     repo.delete(m2a.id)
-    report = repo.gc(grace=timedelta(0), repack_below=1.0)
+    report = repo.gc(now=True, grace=timedelta(0), repack_below=1.0)
     assert report.repacked_packs
     for m in (m1, m2):
         fresh = Repository.open(LocalStore(root), key=key)

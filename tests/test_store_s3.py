@@ -286,6 +286,55 @@ def test_503_after_retries_is_unavailable(s3_url: str, raw: BucketRaw) -> None:
     assert raw.names() == set()
 
 
+def test_a_saves_deadline_is_its_retry_budget(s3_url: str) -> None:
+    """A bucket that answers 503 to every pack put: botocore (8 attempts) and RetryStore (3) would
+    retry for many seconds; under a save's deadline no retry starts after it, and the save returns
+    at the deadline, naming it, with nothing visible."""
+    import numpy as np
+
+    from ckpt import Block, Namespace, OperationAborted, Pins, Repository, SaveOptions, WorkerFacts
+    from ckpt.pins import HostFacts
+    from ckpt.store.retry import RetryStore
+
+    store = RetryStore(S3Store.from_url(s3_url, max_attempts=8), attempts=3, base_delay=0.5, max_delay=0.5)
+    repo = Repository.init(store, pack_size=64 << 10)
+    inner = store.inner
+    assert isinstance(inner, S3Store)
+    retried_after: list[str] = []
+    seen: set[str] = set()
+    deadline = [0.0]
+
+    def always_503(request: Any, **_: Any) -> AWSResponse:
+        key = request.url.split("?")[0]
+        attempt = str(request.headers.get("amz-sdk-request", b""))
+        if time.monotonic() > deadline[0] and (key in seen or "attempt=1;" not in attempt):
+            retried_after.append(f"{key} {attempt}")
+        seen.add(key)
+        return AWSResponse(request.url, 503, {}, _RawBody(b""))
+
+    inner.client.meta.events.register("before-send.s3.PutObject", always_503)
+    rng = np.random.default_rng(3)
+    blocks = [Block(f"k{i}".encode(), rng.bytes(32 << 10), "uint8", (32 << 10,)) for i in range(8)]
+    deadline[0] = time.monotonic() + 1.5
+    t0 = time.monotonic()
+    with pytest.raises((OperationAborted, StoreUnavailable)) as ei:
+        repo.save(
+            blocks,
+            worker_id="w0",
+            namespace=Namespace({"m": "x"}),
+            pins=Pins(host=HostFacts(), worker=WorkerFacts()),
+            options=SaveOptions(pack_size=64 << 10, upload_workers=2),
+            deadline=deadline[0],
+        )
+    inner.client.meta.events.unregister("before-send.s3.PutObject", always_503)
+    assert "deadline" in str(ei.value)
+    # neither botocore nor RetryStore retried a request past the deadline (first tries of uploads
+    # the save had already queued may still go out: the save abandons them)
+    assert not retried_after, retried_after
+    assert repo.list() == []
+    print(f"save with a 1.5 s deadline against a 503-only bucket returned after {time.monotonic() - t0:.2f} s")
+
+
 # -- debris and checksums --------------------------------------------------------------------------
 
 

@@ -37,8 +37,11 @@ Semantics every store guarantees (the conformance suite in
 from __future__ import annotations
 
 import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ckpt.errors import InvalidName
@@ -151,3 +154,28 @@ class Store(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- per-operation deadlines ---------------------------------------------------------------------
+
+#: The ``time.monotonic()`` past which store calls made on behalf of the current
+#: operation (a save with a deadline) stop retrying: set with :func:`deadline_scope`;
+#: threads the operation starts carry it (``contextvars.copy_context``).
+CALL_DEADLINE: ContextVar[float | None] = ContextVar("gpuckpt_call_deadline", default=None)
+
+
+@contextmanager
+def deadline_scope(deadline: float | None) -> Iterator[None]:
+    """Store calls in this context (and in tasks submitted with its context) spend no retry
+    past ``deadline``: a retry that would start after it is not made, and the error stands."""
+    token = CALL_DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        CALL_DEADLINE.reset(token)
+
+
+def retry_budget_left(delay: float = 0.0) -> bool:
+    """Whether a retry after ``delay`` seconds would still start before the current deadline."""
+    deadline = CALL_DEADLINE.get()
+    return deadline is None or time.monotonic() + delay < deadline

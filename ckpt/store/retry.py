@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from ckpt.errors import ObjectExists, StoreUnavailable
-from ckpt.store.base import Buffer, ObjectInfo, Store
+from ckpt.store.base import Buffer, ObjectInfo, Store, retry_budget_left
 
 T = TypeVar("T")
 log = logging.getLogger("gpuckpt.store")
@@ -53,6 +53,13 @@ class RetryStore(Store):
                     raise
                 delay = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
                 delay *= 0.5 + random.random()
+                if not retry_budget_left(delay):
+                    # the operation's deadline passes before the retry would start
+                    log.warning(
+                        "store call failed; no retry: the operation's deadline passes first",
+                        extra={"op": what, "object": name, "attempt": attempt, "error": str(exc)},
+                    )
+                    raise
                 log.warning(
                     "store call failed, retrying",
                     extra={"op": what, "object": name, "attempt": attempt, "error": str(exc)},

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import io
 import logging
 import os
@@ -71,7 +72,7 @@ from ckpt.errors import (
     StoreError,
     StoreUnavailable,
 )
-from ckpt.store.base import Buffer, Capabilities, ObjectInfo, Store, check_name, check_prefix
+from ckpt.store.base import Buffer, Capabilities, ObjectInfo, Store, check_name, check_prefix, retry_budget_left
 
 log = logging.getLogger("gpuckpt.store")
 
@@ -127,6 +128,25 @@ _TRANSIENT_CODES = frozenset(
         "PriorRequestNotComplete",
     }
 )
+
+
+def _no_retry_past_deadline(
+    attempts: int = 1, response: Any = None, caught_exception: BaseException | None = None, **_: Any
+) -> None:
+    """A ``needs-retry`` handler: after a failed attempt, when the current operation's deadline has
+    passed, raise instead of letting botocore retry (its retries and 60 s reads would otherwise run
+    on long after a save gave up)."""
+    failed = caught_exception is not None
+    if response is not None and not failed:
+        status = getattr(response[0], "status_code", 200)
+        failed = status >= 500 or status == 429
+    # botocore's standard mode then sleeps up to 2^(attempts-1) s (at most 20 s) before the retry
+    if failed and not retry_budget_left(min(20.0, 2.0 ** (attempts - 1))):
+        why = caught_exception if caught_exception is not None else f"HTTP {response[0].status_code}"
+        raise StoreUnavailable(
+            f"s3 request failed ({why}) after {attempts} attempt(s); "
+            "not retried: the deadline passes before a retry could"
+        )
 
 
 def _translate(exc: BaseException, name: str, op: str, *, bucket: str | None = None) -> GpuckptError:
@@ -372,7 +392,7 @@ class S3Store(Store):
                 # would count retries only)
                 retries={"mode": "standard", "total_max_attempts": max_attempts},
                 connect_timeout=10,
-                read_timeout=120,
+                read_timeout=60,
                 max_pool_connections=2 * max_workers + 16,
                 tcp_keepalive=True,
                 s3={"addressing_style": "path"} if endpoint_url else None,
@@ -389,6 +409,8 @@ class S3Store(Store):
                 raise ConfigError(f"cannot configure the S3 client: {exc}") from exc
         #: the boto3 S3 client: register botocore event handlers here to inject faults
         self.client: Any = client
+        # botocore's own retries stop at the operation's deadline (ckpt.store.base.deadline_scope)
+        client.meta.events.register_first("needs-retry.s3", _no_retry_past_deadline)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gpuckpt-s3")
         self._closed = False
         self._close_lock = threading.Lock()
@@ -518,7 +540,9 @@ class S3Store(Store):
         upload_id: str = self._call(name, "put", lambda: self.client.create_multipart_upload(**create)["UploadId"])
         try:
             futures: list[Future[dict[str, Any]]] = [
-                self._pool.submit(self._upload_part, key, upload_id, n, view[off : off + length])
+                self._pool.submit(
+                    contextvars.copy_context().run, self._upload_part, key, upload_id, n, view[off : off + length]
+                )
                 for n, (off, length) in enumerate(self._part_plan(len(view)), start=1)
             ]
             try:
@@ -652,7 +676,15 @@ class S3Store(Store):
         etag = head.get("ETag")
         step = self.part_size
         futures = [
-            self._pool.submit(self._get_range, name, key, off, min(step, offset + length - off), etag)
+            self._pool.submit(
+                contextvars.copy_context().run,
+                self._get_range,
+                name,
+                key,
+                off,
+                min(step, offset + length - off),
+                etag,
+            )
             for off in range(offset, offset + length, step)
         ]
         try:

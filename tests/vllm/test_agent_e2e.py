@@ -141,9 +141,13 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
                 )
                 for k in prompts
             ]
-            for t in threads:
-                t.start()
-            driver.wait_until(a.control_socket, live=3, min_outputs=30)
+
+            def start() -> None:
+                for t in threads:
+                    t.start()
+
+            # registered before the requests exist: a busy host cannot let them pass unseen
+            driver.wait_around(a.control_socket, start, live=3, min_outputs=30)
             agent.send_signal(signal.SIGTERM)
             out["agent_a_exit"] = agent.wait(90)
         finally:
@@ -175,8 +179,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
                 out["restore_b"] = c.request("GET", "/restore")
             # The uninterrupted reference, on the same fresh worker: the same requests from their prompts.
             out["reference"] = {
-                k: b.client.complete(p, LONG, request_id=f"ref-{k}", stream=False).token_ids
-                for k, p in prompts.items()
+                k: b.client.complete(p, LONG, request_id=f"ref-{k}", stream=False).token_ids for k, p in prompts.items()
             }
             out["cli_restore_dry_run"] = cli(
                 "restore", final.id, "--repo", url, "--connector-socket", b.control_socket, "--dry-run", "--json"

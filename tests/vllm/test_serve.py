@@ -94,14 +94,17 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
         # All four start at one step boundary, however late the API server hands one over.
         driver.hold(a.control_socket, len(prompts), timeout=300)
-        for t in threads:
-            t.start()
+
+        def start() -> None:
+            for t in threads:
+                t.start()
+
         # Pace by the engine, not by the streams: the API server can lag the
-        # engine by hundreds of tokens on 2 busy cores.
-        # Captured at the first step boundary where every request has 40 outputs, as the
-        # engine's scheduler judges it: no poll can miss it, however busy the host.
+        # engine by hundreds of tokens on 2 busy cores. The capture is pending
+        # before the requests are sent, and is taken at the first step boundary
+        # where every request has 40 outputs, as the engine's scheduler judges it.
         when = {"live": len(prompts), "min_outputs": 40}
-        m = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, when=when, timeout=240)
+        m = driver.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=240)
         for t in threads:
             t.join(300)
         assert not errors, errors

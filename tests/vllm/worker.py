@@ -123,10 +123,13 @@ def checkpoint_in_flight(a: dict, llm, repo, outs: dict, requests: dict, min_out
 
     probe = canary.record(make_generate(llm, outs))
     driver.hold(a["socket"], len(requests), timeout=300)
-    for rid, (toks, sp) in requests.items():
-        llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp)
+
+    def start() -> None:
+        for rid, (toks, sp) in requests.items():
+            llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp)
+
     when = {"live": len(requests), "min_outputs": min_outputs}
-    return driver.checkpoint(a["socket"], repo, "w0", canary=probe, when=when, timeout=300)
+    return driver.checkpoint_around(a["socket"], start, repo, "w0", canary=probe, when=when, timeout=300)
 
 
 WORDS = "(alpha|beta|gamma|delta)"
@@ -147,7 +150,6 @@ def mixed(a: dict, llm, repo, res: dict) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
-
 
     eng = llm.llm_engine
     rng = random.Random(11)

@@ -763,6 +763,8 @@ class GpuckptConnector(KVConnectorBase_V1):
                     "states_pending": len(self._state_offer),
                     "states_applied": {k: list(v) for k, v in self._states_applied.items()},
                     "hook_failures": dict(self._hook_failures),
+                    "captures_pending": len(self._capture_requests),
+                    "waits_pending": len(self._step_waiters),
                 }
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 

@@ -31,6 +31,7 @@ class ControlError(ServiceUnavailable, RuntimeError):
     worker) and, for callers written against the first slice, a ``RuntimeError``.
     """
 
+
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_LINE = 64 << 20
 

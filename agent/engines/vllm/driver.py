@@ -25,6 +25,7 @@ import base64
 import binascii
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -195,9 +196,7 @@ def last_checkpoint_stats() -> dict[str, Any]:
     return dict(_LAST_STATS)
 
 
-def _request_states(
-    m: Manifest, *, warm: bool
-) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+def _request_states(m: Manifest, *, warm: bool) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
     """What each ledger entry needs beyond its tokens, by client id, and why some cannot have it.
 
     Earlier outputs (for penalties / bad words and to advance a grammar)
@@ -378,6 +377,80 @@ def _shard_reasons(m: Manifest) -> list[str]:
 def stats(sock: Socket) -> dict[str, Any]:
     """The connector's counters: tokens loaded per restored request, current step."""
     return control.call(sock, "stats")
+
+
+def _around(sock: Socket, pending: str, call: Callable[[], Any], start: Callable[[], None], timeout: float) -> Any:
+    """Run ``call`` (a blocking control call that registers a waiter) in a thread; once the
+    connector counts it under ``pending``, run ``start``; return what ``call`` returned."""
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run, name="gpuckpt-around", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout
+    # the connector counts pending waiters: a condition, polled (no event crosses the socket)
+    while t.is_alive() and int(stats(sock).get(pending, 0)) < 1:
+        if time.monotonic() > deadline:
+            raise control.ControlError(f"the connector did not register the waiter within {timeout:.0f} s")
+        time.sleep(0.02)
+    if errors:
+        raise errors[0]
+    start()
+    t.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def checkpoint_around(
+    sock: Socket,
+    start: Callable[[], None],
+    repo: Repository,
+    worker_id: str,
+    *,
+    when: dict[str, int],
+    timeout: float = 60.0,
+    **kw: Any,
+) -> Manifest:
+    """Checkpoint traffic the caller makes: register a capture at condition ``when``, *then* call
+    ``start()`` (which sends the requests), and return the checkpoint.
+
+    The capture is pending in the connector before any of the traffic
+    exists, so a condition the traffic meets only for a moment (every request
+    live with k outputs) cannot pass before the capture is asked for, however
+    busy the host — for tests, demos and benchmarks. Pair it with
+    :func:`hold` so that the requests start at one step boundary.
+    """
+    m = _around(
+        sock,
+        "captures_pending",
+        lambda: checkpoint(sock, repo, worker_id, when=when, timeout=timeout, **kw),
+        start,
+        timeout,
+    )
+    assert isinstance(m, Manifest)
+    return m
+
+
+def wait_around(
+    sock: Socket, start: Callable[[], None], *, live: int, min_outputs: int = 0, timeout: float = 120.0
+) -> dict[str, Any]:
+    """:func:`wait_until`, registered before ``start()`` sends the traffic (see :func:`checkpoint_around`)."""
+    r = _around(
+        sock,
+        "waits_pending",
+        lambda: wait_until(sock, live=live, min_outputs=min_outputs, timeout=timeout),
+        start,
+        timeout,
+    )
+    assert isinstance(r, dict)
+    return r
 
 
 def hold(sock: Socket, requests: int, *, timeout: float = 60.0) -> None:

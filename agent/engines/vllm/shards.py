@@ -79,8 +79,10 @@ def check_cover(shards: Sequence[dict[str, Any]], total: int, tp: int) -> None:
     ranks = [int(s["rank"]) for s in shards]
     for r in range(tp):
         if ranks.count(r) != 1:
-            raise ShardError(f"rank {r}'s part is {'missing' if r not in ranks else 'present twice'} "
-                             f"({len(shards)} of {tp} ranks' parts)")
+            raise ShardError(
+                f"rank {r}'s part is {'missing' if r not in ranks else 'present twice'} "
+                f"({len(shards)} of {tp} ranks' parts)"
+            )
     extra = sorted(set(ranks) - set(range(tp)))
     if extra:
         raise ShardError(f"rank {extra[0]}'s part does not belong to a {tp}-way worker")
