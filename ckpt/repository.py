@@ -341,13 +341,15 @@ class Repository:
         progress: Callable[[SaveProgress], None] | None = None,
         deadline: float | None = None,
         lock_wait: float = 30.0,
+        cancel: threading.Event | None = None,
     ) -> Manifest:
         """Save a checkpoint; returns its manifest once it is visible.
 
         Blocks already in the repository (same namespace and key) are
         referenced, not rewritten. ``parent="auto"`` records this worker's
         newest checkpoint. ``deadline`` is a ``time.monotonic()`` value past
-        which the save aborts with OperationAborted, leaving nothing visible.
+        which the save aborts with OperationAborted, leaving nothing visible;
+        so does setting ``cancel`` (an agent making way for a preemption checkpoint).
         """
         check_worker_id(worker_id)
         # a deadline also bounds the store's retries (ckpt.store.base.deadline_scope), lock release included
@@ -374,6 +376,7 @@ class Repository:
                 progress=progress,
                 deadline=deadline,
                 before_commit=lambda: held.confirm(self.max_save_seconds),
+                cancel=cancel,
             )
 
     def load(

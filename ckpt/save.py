@@ -161,11 +161,13 @@ class _Saver:
         opts: SaveOptions,
         progress: Callable[[SaveProgress], None] | None,
         deadline: float | None,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.repo = repo
         self.opts = opts
         self.progress_cb = progress
         self.deadline = deadline
+        self.cancel = cancel
         self.key_id = repo.keyring.key_id if repo.keyring else None
         self.abort = threading.Event()
         self.error: BaseException | None = None
@@ -212,11 +214,20 @@ class _Saver:
                 self.error = exc
         self.abort.set()
 
+    def expired(self) -> str | None:
+        """Why this save must stop now (its deadline passed, or it was cancelled), or None."""
+        if self.cancel is not None and self.cancel.is_set():
+            return "save cancelled (a more urgent checkpoint needs the way); nothing was made visible"
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return "save did not finish before its deadline; nothing was made visible"
+        return None
+
     def _check(self) -> None:
         if self.error is not None:
             raise self.error
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            exc = OperationAborted("save did not finish before its deadline; nothing was made visible")
+        why = self.expired()
+        if why is not None:
+            exc = OperationAborted(why)
             self._fail(exc)
             raise exc
 
@@ -393,7 +404,7 @@ class _Saver:
             # deadline bounds the save's wall time. Such an upload may still
             # land a pack later: no index or manifest names it, gc removes it.
             self.encode_pool.shutdown(wait=True, cancel_futures=True)
-            if self.deadline is not None and time.monotonic() > self.deadline:
+            if self.expired() is not None:
                 with self.lock:
                     uploads = list(self.uploads)
                 concurrent.futures.wait(uploads, timeout=UPLOAD_GRACE)  # let quick ones land (and be discarded)
@@ -432,6 +443,7 @@ def save_checkpoint(
     progress: Callable[[SaveProgress], None] | None = None,
     deadline: float | None = None,
     before_commit: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Manifest:
     """Write the blocks, the index and then the manifest (the commit point).
 
@@ -445,11 +457,11 @@ def save_checkpoint(
         ledger = Ledger.model_validate(ledger)
     t0 = time.monotonic()
     started = datetime.now(UTC)
-    saver = _Saver(repo, opts, progress, deadline)
+    saver = _Saver(repo, opts, progress, deadline, cancel)
     try:
         refs, entries = saver.run(blocks, namespace)
     except BaseException:
-        if deadline is not None and time.monotonic() > deadline:
+        if saver.expired() is not None:
             # past the deadline the caller must not wait on a store that may be hanging:
             # the clean-up is best effort anyway (gc reclaims what it leaves)
             threading.Thread(target=saver.discard_written, name="gpuckpt-discard", daemon=True).start()
@@ -513,8 +525,9 @@ def save_checkpoint(
         timings={"blocks_s": round(t_blocks, 6), "total_s": round(time.monotonic() - t0, 6)},
         encryption=Encryption(alg="aes-256-gcm", key_id=saver.key_id) if saver.key_id else None,
     )
-    if deadline is not None and time.monotonic() > deadline:
-        raise OperationAborted("save did not finish before its deadline; nothing was made visible")
+    why = saver.expired()
+    if why is not None:
+        raise OperationAborted(why)
     if before_commit is not None:
         before_commit()
     saver.prog.phase = "manifest"

@@ -25,6 +25,8 @@ from agent.daemon.agent import Agent
 from agent.daemon.api import AgentApiError, AgentClient
 from agent.daemon.notify import Notifier
 from ckpt import ConfigError, Repository, RepositoryLocked
+from ckpt.store.base import Buffer, Store
+from ckpt.testing import FaultyStore
 from tests.fake_connector import FakeConnector
 
 
@@ -253,6 +255,52 @@ def test_a_long_gc_does_not_delay_the_preemption_checkpoint(rig, monkeypatch: py
         assert not release.is_set()
     finally:
         release.set()
+
+
+class HangingStore(FaultyStore):
+    """The first pack put blocks until ``release`` is set (a hung bucket)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def put(self, name: str, data: Buffer, *, if_absent: bool = False) -> None:
+        if name.startswith("packs/") and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(120)
+        super().put(name, data, if_absent=if_absent)
+
+
+def test_a_preemption_checkpoint_does_not_wait_behind_a_hung_save(rig) -> None:
+    """A periodic save stuck on the store is abandoned when a preemption notice comes: the urgent
+    checkpoint captures and commits at once, the periodic one fails naming why, nothing of it shows."""
+    tmp, _fake, start = rig
+    notice = tmp / "preempt"
+    a = start(checkpoint={"preemption_file": str(notice), "preemption_poll": "1s", "deadline": "10m"})
+    assert a.repo is not None
+    hung = HangingStore(a.repo.store)
+    a.repo.store = hung
+    try:
+        periodic = a.request_checkpoint("periodic")
+        assert hung.entered.wait(60), "the periodic save never reached the store"
+        notice.write_text("terminate at 12:00")
+        assert periodic.done.wait(60), "the hung save was not abandoned"
+        assert periodic.state == "failed"
+        assert "cancelled" in (periodic.error or "")
+
+        def preemption_done() -> bool:
+            last = a.status()["last_checkpoint"]
+            return last is not None and "preemption" in last["triggers"]
+
+        deadline = time.monotonic() + 60
+        while not preemption_done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert preemption_done(), a.status()
+        assert not hung.release.is_set(), "the preemption checkpoint waited for the hung store"
+        infos = a.repo.list("w0")
+        assert [i.id for i in infos] == [a.status()["last_checkpoint"]["id"]]
+    finally:
+        hung.release.set()
 
 
 # -- the control API ---------------------------------------------------------------------------

@@ -40,6 +40,8 @@ from ckpt.save import SaveProgress
 log = logging.getLogger("gpuckpt.agent")
 
 TRIGGERS = ("periodic", "request", "stop", "preemption", "drain")
+#: triggers whose checkpoint has a window to make: a running save of other triggers makes way
+URGENT = frozenset({"stop", "preemption", "drain"})
 
 
 def _now() -> str:
@@ -61,6 +63,7 @@ class Ticket:
     error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event, repr=False)
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def view(self) -> dict[str, Any]:
         return {
@@ -194,6 +197,15 @@ class Agent:
             if r is not None and r.state == "pending":  # not captured yet: this trigger rides along
                 r.triggers.append(trigger)
                 return r
+            if r is not None and trigger in URGENT and not URGENT & set(r.triggers) and not r.cancel.is_set():
+                # A periodic or requested save in progress (perhaps on a slow or hung store) must not
+                # make a preemption or final checkpoint miss its window: it is abandoned (nothing of
+                # it becomes visible) and the urgent one captures right after.
+                log.warning(
+                    "abandoning a running checkpoint for an urgent one",
+                    extra={"ticket": r.id, "running": list(r.triggers), "trigger": trigger},
+                )
+                r.cancel.set()
             if self._pending is None:
                 self._pending = Ticket(next(self._ids), [trigger], deadline_s=budget)
                 self._tickets[self._pending.id] = self._pending
@@ -264,6 +276,7 @@ class Agent:
                 deadline=deadline,
                 progress=progress,
                 on_captured=captured,
+                cancel=t.cancel,
             )
         except Exception as exc:  # every failure is reported, none kills the agent
             t.state, t.error = "failed", _describe(exc)

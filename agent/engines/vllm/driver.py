@@ -134,6 +134,7 @@ def checkpoint(
     on_captured: Callable[[dict[str, Any]], None] | None = None,
     canary: dict[str, Any] | None = None,
     when: dict[str, int] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
 
@@ -146,6 +147,7 @@ def checkpoint(
     ``canary`` is a record from an earlier :func:`canary.record` on this
     worker, reused instead of probing again (the agent records it once: a
     probe costs engine steps, which a final checkpoint cannot spare).
+    ``cancel`` abandons the save when set (nothing becomes visible).
     """
     if deadline is not None:
         timeout = max(0.1, min(timeout, deadline - time.monotonic()))
@@ -179,6 +181,7 @@ def checkpoint(
             canary=canary,
             deadline=deadline,
             progress=progress,
+            cancel=cancel,
         )
         timings = {**cap.stats, "save_s": time.monotonic() - t0, "canary_s": canary_s}
     finally:
