@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,8 +31,10 @@ from ckpt import lock as lock_mod
 from ckpt.errors import GpuckptError
 from ckpt.lock import Lock, LockInfo, list_locks
 from ckpt.repository import Repository
+from ckpt.store.base import Store
 from ckpt.store.local import LocalStore
-from ckpt.testing import ClockedStore, Fault, KilledStore, SimulatedCrash, VirtualClock
+from ckpt.testing import ClockedStore, Fault, FaultyStore, KilledStore, SimulatedCrash, VirtualClock
+from ckpt.url import open_store as url_store
 from tests.test_gc import NS, PINS, indexed_packs, pack_ids
 
 KiB = 1 << 10
@@ -267,3 +270,61 @@ def test_a_delete_delay_shorter_than_twice_a_save_is_refused(tmp_path: Path) -> 
     with pytest.raises(GpuckptError, match="delete_delay"):
         repo.gc(delete_delay=timedelta(minutes=30))
     repo.gc(delete_delay=timedelta(minutes=30), now=True)  # --now needs no delay
+
+
+class HookStore(FaultyStore):
+    """Calls ``hook(method, name)`` before every call (the real store's clock stays)."""
+
+    def __init__(self, inner: Store, hook: Callable[[str, str], None]) -> None:
+        super().__init__(inner)
+        self.hook = hook
+
+    def _run(self, method: str, name: str, fn: Callable[[], object]) -> object:
+        self.hook(method, name)
+        return super()._run(method, name, fn)
+
+
+def test_on_seaweedfs_a_save_racing_a_gc_is_rescued_not_lost(s3_url: str) -> None:
+    """On a real S3 server (its LastModified as the store's clock): a save that deduplicated against
+    a dead pack before gc condemned it commits; the later gc that finds the condemnation due reads
+    that manifest and keeps the pack; the checkpoint loads whole and verifies. A save after the
+    condemnation never references the condemned pack."""
+    base = Repository.init(url_store(s3_url), pack_size=64 * KiB)
+    base.save(blocks("a", range(8)), worker_id="w0", namespace=NS, pins=PINS, options=OPTS)
+    base.save(blocks("a", range(4)) + blocks("b", range(4)), worker_id="w0", namespace=NS, pins=PINS, options=OPTS)
+    time.sleep(0.002)  # checkpoint ids are per millisecond
+    assert len(base.forget(keep_last=1)) == 1  # a4..a7's pack is dead
+    gc_repo = Repository.open(url_store(s3_url))
+    gc_repo.max_save_seconds = 1.0  # lets this test's gc use a 2 s delay (the racing save is done long before)
+    condemned: list[str] = []
+
+    def gc_once(method: str, name: str) -> None:
+        if method == "put" and name.startswith("packs/") and not condemned:
+            # the save has read the index (a4..a7 live there) and is writing its new blocks
+            condemned.extend(gc_repo.gc(grace=GRACE0, delete_delay=timedelta(seconds=2)).condemned_packs)
+
+    racing = Repository.open(HookStore(url_store(s3_url), gc_once))
+    racing_blocks = blocks("a", range(4, 8)) + blocks("s", range(4))
+    m = racing.save(racing_blocks, worker_id="w1", namespace=NS, pins=PINS, options=OPTS)
+    assert condemned, "gc condemned nothing"
+    dead = {c.rsplit("/", 1)[-1] for c in condemned}
+    assert dead & {b.pack for b in m.blocks}, "the save did not deduplicate against the condemned pack"
+    # a4 and a5 again: written anew; a6 and a7 stay only in the condemned pack
+    after = Repository.open(url_store(s3_url)).save(
+        blocks("a", range(4, 6)), worker_id="w2", namespace=NS, pins=PINS, options=OPTS
+    )
+    assert not dead & {b.pack for b in after.blocks}, "a save referenced a condemned pack"
+    # wait, on the store's clock, until the condemnation is due
+    deadline = time.monotonic() + 120
+    while True:
+        report = gc_repo.gc(grace=GRACE0, delete_delay=timedelta(seconds=2))
+        if report.rescued_packs or report.deleted_packs:
+            break
+        assert time.monotonic() < deadline, f"the condemnation never came due: {report}"
+        time.sleep(0.2)
+    assert dead <= {r.rsplit("/", 1)[-1] for r in report.rescued_packs}, report
+    check = Repository.open(url_store(s3_url))
+    for ref, bl in ((m, racing_blocks), (after, blocks("a", range(4, 6)))):
+        got = {b.key: bytes(b.data) for b in check.load(ref.id)}
+        assert got == {b.key: bytes(b.data) for b in bl}
+    assert check.verify().ok
