@@ -4,10 +4,11 @@ Knows nothing of vLLM or of daemons. The public surface is what ``__all__``
 lists; everything else may change without notice.
 """
 
-from ckpt.blocks import Block, LoadedBlock, Namespace
+from ckpt.blocks import Block, Existing, LoadedBlock, Namespace
 from ckpt.compat import Decision, Policy, RuleResult, Verdict, check, decide
 from ckpt.errors import (
     AccessDenied,
+    BlocksMissing,
     CheckpointNotFound,
     ConfigError,
     EncryptionError,
@@ -48,6 +49,8 @@ __all__ = [
     "ABSENT",
     "AccessDenied",
     "Block",
+    "BlocksMissing",
+    "Existing",
     "BlockFailure",
     "CheckpointInfo",
     "CheckpointNotFound",

@@ -130,6 +130,33 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Existing:
+    """A block the caller believes the repository already holds (same namespace and key): it is
+    referenced, not read or rewritten — an incremental capture does not copy such blocks at all.
+
+    A save given one the repository does not hold (or holds only in a pack a gc has condemned, or
+    with another size) raises :class:`~ckpt.errors.BlocksMissing` naming every such key, before
+    anything becomes visible: it is never left dangling.
+    """
+
+    key: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, bytes) or not 1 <= len(self.key) <= 256:
+            raise ConfigError("a block key must be 1 to 256 bytes")
+        check_dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = check_dtype(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
 class LoadedBlock:
     """A block read back and verified. ``data`` is owned by the caller."""
 

@@ -161,6 +161,16 @@ class IncompatibleCheckpoint(GpuckptError):
         self.reasons = reasons
 
 
+class BlocksMissing(GpuckptError):
+    """A save was told the repository already holds some blocks (:class:`ckpt.Existing`) and it
+    does not (gc removed them, or another repository): nothing was made visible. ``keys`` lists
+    them; the caller copies them and saves again."""
+
+    def __init__(self, message: str, keys: list[bytes] | None = None) -> None:
+        super().__init__(message)
+        self.keys = list(keys or [])
+
+
 class OperationAborted(GpuckptError):
     """An operation was cancelled or ran past its deadline; nothing was made visible."""
 

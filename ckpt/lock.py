@@ -372,8 +372,7 @@ class Lock:
         age = max(_boottime() - self._last_write, self._max_gap)
         if age > limit / 2:
             raise OperationAborted(
-                f"lock {self.name} was last refreshed {age:.0f}s ago (stale after {limit:.0f}s); "
-                "not committing"
+                f"lock {self.name} was last refreshed {age:.0f}s ago (stale after {limit:.0f}s); not committing"
             )
 
     def _remove(self) -> None:

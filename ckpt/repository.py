@@ -30,7 +30,7 @@ from typing import Any
 
 from ckpt import checksum as cks
 from ckpt import document
-from ckpt.blocks import Block, LoadedBlock, Namespace
+from ckpt.blocks import Block, Existing, LoadedBlock, Namespace
 from ckpt.codecs import Pipeline
 from ckpt.errors import (
     CheckpointNotFound,
@@ -327,7 +327,7 @@ class Repository:
 
     def save(
         self,
-        blocks: Iterable[Block],
+        blocks: Iterable[Block | Existing],
         *,
         worker_id: str,
         namespace: Namespace,
@@ -346,7 +346,9 @@ class Repository:
         """Save a checkpoint; returns its manifest once it is visible.
 
         Blocks already in the repository (same namespace and key) are
-        referenced, not rewritten. ``parent="auto"`` records this worker's
+        referenced, not rewritten; :class:`~ckpt.Existing` blocks are referenced
+        without their bytes (:class:`~ckpt.errors.BlocksMissing` if the
+        repository does not hold them). ``parent="auto"`` records this worker's
         newest checkpoint. ``deadline`` is a ``time.monotonic()`` value past
         which the save aborts with OperationAborted, leaving nothing visible;
         so does setting ``cancel`` (an agent making way for a preemption checkpoint).

@@ -35,9 +35,9 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from ckpt import checksum as cks
-from ckpt.blocks import DTYPES, Block, Namespace
+from ckpt.blocks import DTYPES, Block, Existing, Namespace
 from ckpt.codecs import AesGcm, BytePlane, Codec, CodecContext, Pipeline, Zstd
-from ckpt.errors import ConfigError, GpuckptError, OperationAborted
+from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, OperationAborted
 from ckpt.index import PackRecord, encode_index, index_name
 from ckpt.manifest import (
     BlockRef,
@@ -198,9 +198,9 @@ class _Saver:
             self._pipelines[dtype] = p
         return p
 
-    def _release(self, block: Block) -> None:
+    def _release(self, block: Block | Existing) -> None:
         """Call the block's release exactly once (the Block contract)."""
-        if block.release is None:
+        if isinstance(block, Existing) or block.release is None:
             return
         with self.lock:
             if id(block) in self._released:
@@ -331,19 +331,22 @@ class _Saver:
 
     # -- the whole ------------------------------------------------------------------------
 
-    def run(self, blocks: Iterable[Block], ns: Namespace) -> tuple[list[tuple[Block, str]], dict[str, BlobEntry]]:
+    def run(
+        self, blocks: Iterable[Block | Existing], ns: Namespace
+    ) -> tuple[list[tuple[Block | Existing, str]], dict[str, BlobEntry]]:
         """Stream blocks through the pipeline; returns (block, blob id) in input
         order and the entry for every blob referenced."""
         index = self.repo.index
-        refs: list[tuple[Block, str]] = []
+        refs: list[tuple[Block | Existing, str]] = []
         known: dict[str, BlobEntry] = {}
         submitted: set[str] = set()
         encodes: list[Future[None]] = []
+        missing: list[bytes] = []  # Existing blocks the repository does not hold
         try:
             for block in blocks:
                 self._check()
-                if not isinstance(cast(object, block), Block):
-                    raise ConfigError(f"save takes ckpt.Block objects, got {type(block).__name__}")
+                if not isinstance(cast(object, block), Block | Existing):
+                    raise ConfigError(f"save takes ckpt.Block or ckpt.Existing objects, got {type(block).__name__}")
                 blob_id = self.repo.blob_id(ns, block.key)
                 refs.append((block, blob_id))
                 n = block.nbytes
@@ -354,6 +357,12 @@ class _Saver:
                     self._release(block)
                     continue
                 entry = index.lookup(blob_id)
+                if isinstance(block, Existing):
+                    if entry is None or entry.raw_length != n:
+                        missing.append(block.key)  # gone (gc, another repository), condemned, or another size
+                    else:
+                        known[blob_id] = entry
+                    continue
                 if entry is not None:
                     known[blob_id] = entry
                     self._release(block)
@@ -365,6 +374,13 @@ class _Saver:
                 self.budget.acquire(n, self.abort)
                 encodes.append(self.encode_pool.submit(self._encode, blob_id, block))
                 self._report()
+            if missing:
+                shown = ", ".join(k.hex()[:16] for k in missing[:3])
+                raise BlocksMissing(
+                    f"{len(missing)} block(s) given as already stored are not in the repository "
+                    f"(first: {shown}); nothing was made visible",
+                    missing,
+                )
             self.prog.phase = "flush"
             for f in encodes:
                 while True:
@@ -429,7 +445,7 @@ class _Saver:
 
 def save_checkpoint(
     repo: Repository,
-    blocks: Iterable[Block],
+    blocks: Iterable[Block | Existing],
     *,
     worker_id: str,
     namespace: Namespace,

@@ -29,6 +29,7 @@ class FakeConnector:
         self.capture_delay = 0.0
         self.fail_capture: str | None = None
         self.captures = 0
+        self.swept = 0
         self.generation = 0  # bump to change some pages (new KV since the last capture)
         self.gate: threading.Event | None = None  # a capture waits on it when set
         self._server = control.ControlServer(sock, self.handle)
@@ -116,6 +117,15 @@ class FakeConnector:
             return {"ok": True, "offered": 0}
         if cmd in ("withdraw", "ping"):
             return {"ok": True}
+        if cmd == "durable":
+            return {"ok": True, "durable": 0}
+        if cmd == "sweep":  # as the real one: page files no capture in flight owns
+            removed = []
+            for p in sorted(self.stage.glob("cap-*")) if self.stage.is_dir() else []:
+                p.unlink(missing_ok=True)
+                removed.append(p.name)
+            self.swept += 1
+            return {"ok": True, "removed": removed}
         if cmd == "stats":
             return {"ok": True, "restored_tokens": {}, "step": self.captures, "live": 0}
         return {"ok": False, "error": f"unknown command {cmd!r}"}

@@ -271,9 +271,11 @@ class HangingStore(FaultyStore):
         super().put(name, data, if_absent=if_absent)
 
 
-def test_a_preemption_checkpoint_does_not_wait_behind_a_hung_save(rig) -> None:
-    """A periodic save stuck on the store is abandoned when a preemption notice comes: the urgent
-    checkpoint captures and commits at once, the periodic one fails naming why, nothing of it shows."""
+@pytest.mark.parametrize("running", ["periodic", "request"])
+def test_a_preemption_checkpoint_does_not_wait_behind_a_hung_save(rig, running: str) -> None:
+    """A save stuck on the store is abandoned when a preemption notice comes (a periodic one at
+    once, a requested one after a short grace): the urgent checkpoint captures and commits, the
+    stuck one fails naming why, nothing of it shows."""
     tmp, _fake, start = rig
     notice = tmp / "preempt"
     a = start(checkpoint={"preemption_file": str(notice), "preemption_poll": "1s", "deadline": "10m"})
@@ -281,7 +283,7 @@ def test_a_preemption_checkpoint_does_not_wait_behind_a_hung_save(rig) -> None:
     hung = HangingStore(a.repo.store)
     a.repo.store = hung
     try:
-        periodic = a.request_checkpoint("periodic")
+        periodic = a.request_checkpoint(running)
         assert hung.entered.wait(60), "the periodic save never reached the store"
         notice.write_text("terminate at 12:00")
         assert periodic.done.wait(60), "the hung save was not abandoned"

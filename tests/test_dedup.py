@@ -157,3 +157,42 @@ def test_encrypted_blob_ids_are_hmacs_and_still_dedup(tmp_path: Path) -> None:
     assert sorted(all_blob_ids(again)) == sorted({*(r.blob for r in m2.blocks)})
     assert_loads(again, m2, [*blocks, make_block(50, "bfloat16", PAGE, seed=50)])
     assert key(0) in {lb.key for lb in again.load(m1.id)}
+
+
+def test_existing_blocks_are_referenced_without_their_bytes_and_missing_ones_refused(tmp_path: Path) -> None:
+    """Incremental captures hand the save ``Existing`` blocks for what the repository holds: the
+    checkpoint references them and loads whole; one the repository does not hold (never stored,
+    condemned by gc, another size) fails the save by name, with nothing visible."""
+    from datetime import timedelta
+
+    import numpy as np
+
+    from ckpt import Block, BlocksMissing, Existing, LocalStore, Namespace, Pins, Repository, SaveOptions, WorkerFacts
+    from ckpt.pins import HostFacts
+
+    ns, pins = Namespace({"m": "x"}), Pins(host=HostFacts(), worker=WorkerFacts())
+    opts = SaveOptions(pack_size=64 << 10)
+    rng = np.random.default_rng(7)
+    a = [Block(f"a{i}".encode(), rng.bytes(4096), "uint8", (4096,)) for i in range(4)]
+    repo = Repository.init(LocalStore(tmp_path / "r"), pack_size=64 << 10)
+    first = repo.save(a, worker_id="w0", namespace=ns, pins=pins, options=opts)
+    new = Block(b"n0", rng.bytes(4096), "uint8", (4096,))
+    second = repo.save(
+        [Existing(b.key, "uint8", (4096,)) for b in a] + [new], worker_id="w0", namespace=ns, pins=pins, options=opts
+    )
+    assert second.sizes.new_blocks == 1
+    got = {b.key: bytes(b.data) for b in repo.load(second.id)}
+    assert got == {b.key: bytes(b.data) for b in [*a, new]}
+    before = [i.id for i in repo.list()]
+    for bad in (Existing(b"never", "uint8", (4096,)), Existing(b"a0", "uint8", (2048,))):
+        with pytest.raises(BlocksMissing) as ei:
+            repo.save([bad, new], worker_id="w0", namespace=ns, pins=pins, options=opts)
+        assert ei.value.keys == [bad.key]
+        assert bad.key.hex()[:16] in str(ei.value)
+    # a pack a gc condemned no longer counts as held
+    repo.delete(first.id)
+    repo.delete(second.id)
+    repo.gc(grace=timedelta(0))
+    with pytest.raises(BlocksMissing):
+        repo.save([Existing(b"a1", "uint8", (4096,))], worker_id="w0", namespace=ns, pins=pins, options=opts)
+    assert [i.id for i in repo.list()] == [i for i in before if i not in (first.id, second.id)]

@@ -42,6 +42,8 @@ log = logging.getLogger("gpuckpt.agent")
 TRIGGERS = ("periodic", "request", "stop", "preemption", "drain")
 #: triggers whose checkpoint has a window to make: a running save of other triggers makes way
 URGENT = frozenset({"stop", "preemption", "drain"})
+#: how long a running requested checkpoint may go on once an urgent one waits (a periodic one: 0)
+URGENT_GRACE_S = 5.0
 
 
 def _now() -> str:
@@ -99,6 +101,7 @@ class Agent:
         self.restore_report: dict[str, Any] | None = None
         self.last_gc: dict[str, Any] | None = None
         self._gc_running = threading.Event()
+        self._swept_connector = False
         self.preempted: dict[str, Any] | None = None
         self._canary: tuple[Any, dict[str, Any]] | None = None  # (worker pid, record)
         self._client: Any = None  # ServeClient for the canary, made at the first checkpoint
@@ -122,6 +125,7 @@ class Agent:
         if self.cfg.metrics_address:
             self._metrics_server = self.metrics.serve(self.cfg.metrics_address)
         self._spawn(self._checkpointer, "gpuckpt-checkpointer")
+        self._sweep_staging()
         if self.cfg.restore.on_start:
             self.state = "restoring"
             self.notifier.status(f"restoring worker {self.cfg.worker_id}")
@@ -198,14 +202,19 @@ class Agent:
                 r.triggers.append(trigger)
                 return r
             if r is not None and trigger in URGENT and not URGENT & set(r.triggers) and not r.cancel.is_set():
-                # A periodic or requested save in progress (perhaps on a slow or hung store) must not
-                # make a preemption or final checkpoint miss its window: it is abandoned (nothing of
-                # it becomes visible) and the urgent one captures right after.
+                # A checkpoint in progress (perhaps saving to a slow or hung store) must not make a
+                # preemption or final checkpoint miss its window. A periodic one is abandoned at once
+                # (nothing of it becomes visible; one still capturing stops when its capture
+                # returns); one somebody asked for gets URGENT_GRACE_S to finish first.
+                grace = 0.0 if set(r.triggers) <= {"periodic"} else URGENT_GRACE_S
                 log.warning(
-                    "abandoning a running checkpoint for an urgent one",
-                    extra={"ticket": r.id, "running": list(r.triggers), "trigger": trigger},
+                    "an urgent checkpoint is waiting on a running one",
+                    extra={"ticket": r.id, "running": list(r.triggers), "trigger": trigger, "abandon_after_s": grace},
                 )
-                r.cancel.set()
+                if grace:
+                    threading.Timer(grace, lambda r=r: r.done.is_set() or r.cancel.set()).start()
+                else:
+                    r.cancel.set()
             if self._pending is None:
                 self._pending = Ticket(next(self._ids), [trigger], deadline_s=budget)
                 self._tickets[self._pending.id] = self._pending
@@ -396,6 +405,23 @@ class Agent:
 
     # -- restore at start --------------------------------------------------------------------
 
+    def _sweep_staging(self) -> None:
+        """Delete what a killed predecessor left staged (users' KV): its restore staging
+        directories, and capture page files in the connector's staging directory."""
+        from agent.engines.vllm import driver
+
+        for d in driver.sweep_restore_dirs():
+            log.info("removed a dead agent's restore staging", extra={"path": d})
+        if self._swept_connector:
+            return
+        try:
+            removed = driver.sweep(self.cfg.connector_socket)
+        except (OSError, ValueError, RuntimeError):
+            return  # no worker yet: swept when it attaches
+        self._swept_connector = True
+        if removed:
+            log.info("removed stale capture page files", extra={"files": len(removed)})
+
     def _wait_for_worker(self, budget: float) -> bool:
         from agent.engines.vllm import driver
 
@@ -404,6 +430,7 @@ class Agent:
             try:
                 driver.describe(self.cfg.connector_socket)
                 self.worker.update(attached=True, last_seen=_now(), error=None)
+                self._sweep_staging()
                 return True
             except (OSError, ValueError, RuntimeError) as exc:
                 self.worker.update(attached=False, error=_describe(exc))
@@ -444,6 +471,7 @@ class Agent:
                 policy=Policy.from_strings(ignore=self.cfg.restore.ignore_rules),
                 generate=client.generate if client is not None else None,
                 require_canary=self.cfg.restore.require_canary,
+                offer_ttl=self.cfg.restore.offer_ttl.total_seconds(),
             )
         except Exception as exc:
             rep.update(outcome="failed", reasons=[_describe(exc)])

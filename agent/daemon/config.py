@@ -126,6 +126,10 @@ class RestoreConfig(_Section):
         description="warm only after the canary probe matched on the worker's API (worker_url); false accepts "
         "an unchecked warm restore",
     )
+    offer_ttl: Duration = Field(
+        timedelta(minutes=10),
+        description="how long the restored blocks stay offered to the worker (then their staging is deleted)",
+    )
 
 
 class RetentionConfig(_Section):

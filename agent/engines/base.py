@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt import Block, Ledger, Namespace, WorkerFacts
+from ckpt import Block, Existing, Ledger, Namespace, WorkerFacts
 
 __all__ = ["Capture", "Engine", "Resubmission", "RestorePlan", "WorkerDescription"]
 
@@ -57,7 +57,7 @@ class Capture:
     capture. ``close`` frees the staging memory and is idempotent.
     """
 
-    pages: Iterator[Block]
+    pages: Iterator[Block | Existing]  # Existing: durable keys an incremental capture did not copy
     ledger: Ledger
     stats: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None

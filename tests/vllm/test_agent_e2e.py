@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import driver
+from agent.engines.vllm import driver, staging
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
 from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port, serve_worker
@@ -33,7 +33,16 @@ pytestmark = pytest.mark.slow
 LONG = {**GREEDY, "max_tokens": 3000}
 
 
-def write_config(path: Path, *, url: str, worker: ServeProcess, api: Path, restore: bool, interval: str = "3s") -> None:
+def write_config(
+    path: Path,
+    *,
+    url: str,
+    worker: ServeProcess,
+    api: Path,
+    restore: bool,
+    interval: str = "3s",
+    offer_ttl: str = "10m",
+) -> None:
     path.write_text(
         f"""
 worker_id = "w0"
@@ -53,6 +62,7 @@ stop_deadline = "60s"
 [restore]
 on_start = {"true" if restore else "false"}
 wait_for_worker = "2m"
+offer_ttl = "{offer_ttl}"
 
 [retention]
 keep_last = 10
@@ -105,9 +115,12 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
     system = [rng.randrange(3, 512) for _ in range(64)]
 
     def worker(name: str) -> ServeProcess:
-        # A longer context than test_serve's: the requests in flight at SIGTERM must
-        # still be decoding when the final checkpoint (maybe after a periodic one) captures.
-        w = serve_worker(tiny_llama, tmp, name, [*ARGS, "--max-model-len", "4096"])
+        # The requests in flight at SIGTERM must still be decoding when the final checkpoint
+        # captures, however busy the host: worker A's steps are paced (20 ms each, so 3,000
+        # tokens take a minute or more); it is killed after the final checkpoint, and the
+        # reference and the continuations run on worker B at full speed.
+        extra = {"step_delay_s": 0.02} if name == "a" else None
+        w = serve_worker(tiny_llama, tmp, name, [*ARGS, "--max-model-len", "4096"], extra)
         w.wait_ready()
         return w
 
@@ -162,7 +175,8 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
         api = tmp / "agent-b.sock"
         # No periodic checkpoints on B: with retention they would forget A's
         # final checkpoint, which the CLI is asked about below.
-        write_config(tmp / "b.toml", url=url, worker=b, api=api, restore=True, interval="1h")
+        # The restored blocks stay offered 20 s: then their page file (users' KV) must be gone.
+        write_config(tmp / "b.toml", url=url, worker=b, api=api, restore=True, interval="1h", offer_ttl="20s")
         agent = start_agent(tmp / "b.toml", tmp / "agent-b.log", api)
         try:
 
@@ -177,6 +191,12 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
 
             with AgentClient(api) as c:
                 out["restore_b"] = c.request("GET", "/restore")
+            stage = staging.default_dir(f"{driver.RESTORE_TAG}{agent.pid}")
+            out["restore_stage_offered"] = sorted(p.name for p in stage.iterdir()) if stage.is_dir() else []
+            end = time.monotonic() + 120  # the offer's 20 s, then the next step boundary
+            while stage.is_dir() and any(stage.iterdir()) and time.monotonic() < end:
+                time.sleep(0.2)
+            out["restore_stage_after"] = sorted(p.name for p in stage.iterdir()) if stage.is_dir() else []
             # The uninterrupted reference, on the same fresh worker: the same requests from their prompts.
             out["reference"] = {
                 k: b.client.complete(p, LONG, request_id=f"ref-{k}", stream=False).token_ids for k, p in prompts.items()
@@ -336,3 +356,8 @@ def test_launch_starts_a_worker_with_the_connector_and_an_agent_beside_it(tiny_l
     assert ms[0].id == t["checkpoint"]
     assert "stop" in ms[-1].labels["trigger"].split(",")
     assert ms[-1].canary is not None, "the launched agent knows the worker's API: canary recorded"
+
+
+def test_the_restored_pages_leave_host_memory_when_the_offer_expires(e2e: dict) -> None:
+    assert e2e["restore_stage_offered"], "the restore staged no page file"
+    assert e2e["restore_stage_after"] == [], "the restore's page file outlived its offer"

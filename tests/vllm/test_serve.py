@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from agent.engines.vllm import canary, driver
-from agent.engines.vllm.serve import ServeProcess
+from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
 
 pytestmark = pytest.mark.slow
@@ -50,16 +51,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_worker(model: Path, tmp: Path, name: str, args: list[str] = ARGS) -> ServeProcess:
-    """A test worker (not yet ready) whose socket, log and staging are named after ``name`` in ``tmp``."""
+def serve_worker(model: Path, tmp: Path, name: str, args: list[str] = ARGS, extra: dict | None = None) -> ServeProcess:
+    """A test worker (not yet ready) whose socket, log and staging are named after ``name`` in ``tmp``;
+    ``extra``: more of the connector's ``kv_connector_extra_config``."""
+    sock, stage = str(tmp / f"{name}.sock"), str(tmp / f"stage-{name}")
     return ServeProcess(
         str(model),
-        str(tmp / f"{name}.sock"),
+        sock,
         port=free_port(),
         log_path=str(tmp / f"{name}.log"),
-        staging_dir=str(tmp / f"stage-{name}"),
+        staging_dir=stage,
         args=args,
         env=ENV,
+        kv_config=kv_transfer_config(sock, stage, **extra) if extra else None,
     )
 
 
@@ -119,6 +123,18 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         out["plan"] = plan
         out["resumed"] = b.client.submit(plan.requests)
         out["connector"] = driver.stats(b.control_socket)
+
+        def restore_files() -> list[str]:  # the restore's page files (the worker's report file is not KV)
+            return sorted(p.name for p in (tmp / "stage-b").glob("restore-*"))
+
+        out["stage_b_offered"] = restore_files()
+        out["withdrawn_files"] = driver.withdraw(b.control_socket)
+        # deleted at the next step boundary, which the withdraw makes the idle engine take
+        end = time.monotonic() + 60
+        while restore_files() and time.monotonic() < end:
+            time.sleep(0.05)
+        out["stage_b_after"] = restore_files()
+        out["connector_after"] = driver.stats(b.control_socket)
     return out
 
 
@@ -142,6 +158,16 @@ def test_restored_requests_continue_token_identically(served: dict) -> None:
         c = served["resumed"][r.request_id]
         assert c.finish_reason == "length"
         assert r.token_ids + c.token_ids == served["reference"][k], f"{k} diverged after the restore"
+
+
+def test_the_restore_page_file_is_deleted_when_the_offer_ends(served: dict) -> None:
+    """The verified pages (users' KV) stay in /dev/shm only while offered: the withdraw deletes them."""
+    assert served["stage_b_offered"], "the restore staged no page file"
+    assert served["connector"]["offer_files"], "the connector does not own the offered page file"
+    assert served["withdrawn_files"] == 1
+    assert served["stage_b_after"] == []
+    assert served["connector_after"]["offer_files"] == []
+    assert served["connector_after"]["offered"] == 0
 
 
 def test_each_restored_request_recomputes_at_most_one_token(served: dict) -> None:

@@ -32,6 +32,23 @@ reports the longest run of offered blocks after the local prefix hit as an
 external hit (leaving at least one token to compute), and the worker half
 loads those pages synchronously in ``start_load_kv``, before the forward.
 
+Incremental capture: the scheduler half keeps the keys the repository
+holds (``{"cmd": "durable", "add": [...]}`` from the agent after each
+commit, plus the keys a restore offered), pruned to what is still cached.
+A capture copies only the other pages and lists the durable ones under
+``skipped``; the agent references them without their bytes
+(:class:`ckpt.Existing`). If the repository no longer holds one (gc, another
+repository) the save says so, the agent sends ``"remove"`` and captures
+again: no checkpoint names a page that is not stored. ``{"full": true}``
+copies everything.
+
+Staging lifetime: an offered page file belongs to the connector. It is
+deleted when the offer ends — ``{"cmd": "withdraw"}``, or the offer's
+``ttl`` — at the next step boundary (the workers close their mappings from
+that step's metadata, ``close_files``). ``{"cmd": "sweep"}`` deletes capture
+page files no capture in flight owns (a killed agent's): the agent asks at
+start.
+
 Idle engine: a capture request wakes EngineCore's busy loop (a ``WAKEUP``
 on its input queue) and ``has_pending_push_work`` keeps it stepping until the
 capture is planned, so a capture works with no request running.
@@ -91,6 +108,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -152,6 +170,8 @@ class GpuckptMeta(KVConnectorMetadata):
     generators: list[tuple[str, str]] = field(default_factory=list)
     priors: list[tuple[str, list[int]]] = field(default_factory=list)
     fail_loads: list[int] = field(default_factory=list)
+    # page files of an ended offer (withdrawn, expired): close their mappings (the scheduler deleted them)
+    close_files: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -221,6 +241,7 @@ class _Waiter:
     # {"live": n, "min_outputs": k}: wait for a step boundary where at least n
     # unfinished requests have k outputs each (judged on the scheduler thread)
     when: dict[str, int] | None = None
+    full: bool = False  # copy every page, durable or not
 
 
 def _condition(raw: Any) -> dict[str, int] | None:
@@ -262,6 +283,9 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._faults: set[str] = set(extra.get("inject_faults") or ())
+        # Tests and benchmarks: slow every step by this much (pacing an engine that would otherwise
+        # finish the traffic before the moment a test observes); 0 in production.
+        self._step_delay = float(extra.get("step_delay_s") or 0.0)
         self._hook_failures: dict[str, int] = {}
         # Both halves (EngineCore and every rank's worker) must agree on the
         # staging directory without talking: derive it from the control socket.
@@ -300,6 +324,15 @@ class GpuckptConnector(KVConnectorBase_V1):
         # seq → (waiters, info, each rank's report so far)
         self._captures: dict[int, tuple[list[_Waiter], dict[str, Any], dict[int, dict[str, Any]]]] = {}
         self._offer: dict[bytes, str] = {}  # key → page file index path
+        # An offered page file belongs to the connector from the offer on: it is deleted when the offer
+        # ends (withdraw, or ``ttl`` after the offer), and the workers close their mappings of it.
+        self._offer_files: set[str] = set()
+        self._offer_expiry: threading.Timer | None = None
+        self._retired: list[str] = []  # ended offers' files: deleted at the next step boundary
+        # Keys the repository holds (the agent acknowledges a checkpoint's keys once it commits; a
+        # restore's offered keys came from it): an incremental capture does not copy them. Pruned
+        # to the keys still cached at each capture.
+        self._durable: set[bytes] = set()
         self._plans: dict[str, tuple[int, list[bytes]]] = {}
         self._loads: list[tuple[int, str, str]] = []
         self._fail_loads: list[int] = []
@@ -366,7 +399,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         # half reports its page file (written off the step, one or more steps later).
         # (Conditional waiters wait for requests, which keep the engine stepping themselves.)
         unconditional = any(not w.when for w in self._capture_requests)
-        return bool(unconditional or self._captures or self._tail_copies or self._tails_inflight)
+        return bool(unconditional or self._captures or self._tail_copies or self._tails_inflight or self._retired)
 
     @_hook(_nothing)
     def on_new_request(self, request: Request) -> None:
@@ -521,6 +554,8 @@ class GpuckptConnector(KVConnectorBase_V1):
 
     @_hook(_empty_meta)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._step_delay and scheduler_output.total_num_scheduled_tokens:
+            time.sleep(self._step_delay)
         with self._lock:
             self._step += 1
             meta = GpuckptMeta(
@@ -529,6 +564,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 generators=self._gen_loads,
                 priors=self._prior_loads,
                 fail_loads=self._fail_loads,
+                close_files=self._retire_files(),
             )
             self._loads, self._tail_copies, self._gen_loads, self._prior_loads, self._fail_loads = [], [], [], [], []
             for key_hex, _, rid in meta.tails:
@@ -550,6 +586,56 @@ class GpuckptConnector(KVConnectorBase_V1):
                     log.exception("gpuckpt: planning a capture failed")
                     self._answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
         return meta
+
+    def _retire_files(self) -> list[str]:
+        """Delete the page files of ended offers (lock held; at a step boundary, so that no load
+        planned from now on names them); returns them for the workers to close. A load planned
+        before the offer ended and run after finds its file gone: a load error, recomputed."""
+        out, self._retired = self._retired, []
+        for path in out:
+            try:
+                staging.unlink_pair(path)
+            except OSError as exc:
+                log.warning("gpuckpt: could not delete the page file %s: %s", path, exc)
+        return out
+
+    def _sweep(self) -> list[str]:
+        """Delete capture page files in the staging directory that no capture in flight owns: left
+        by a killed agent (mid-save) or a killed worker. The agent asks at its start."""
+        with self._lock:
+            live = {f"capture-{os.getpid()}-{seq}" for seq in self._captures}
+        removed: list[str] = []
+        d = Path(self._staging_dir)
+        if not d.is_dir():
+            return removed
+        for p in d.glob("capture-*.json"):
+            if any(p.name.startswith(n + "-") or p.stem == n for n in live):
+                continue
+            staging.unlink_pair(p)
+            removed.append(p.name)
+        for p in d.glob("capture-*.bin"):  # data whose index was never written (killed mid-write)
+            if not p.with_suffix(".json").exists() and not any(p.stem.startswith(n) for n in live):
+                p.unlink(missing_ok=True)
+                removed.append(p.name)
+        return removed
+
+    def _end_offer(self) -> None:
+        """Withdraw every offered block and state (lock held); their page files go at the next step."""
+        self._offer = {}
+        self._state_offer = {}
+        self._retired.extend(sorted(self._offer_files))
+        self._offer_files = set()
+        if self._offer_expiry is not None:
+            self._offer_expiry.cancel()
+            self._offer_expiry = None
+
+    def _expire_offer(self) -> None:
+        with self._lock:
+            self._offer_expiry = None
+            if self._offer or self._offer_files:
+                log.info("gpuckpt: the restore offer expired (%d blocks)", len(self._offer))
+                self._end_offer()
+        self._wake()  # an idle engine must step for the files to go
 
     def _met(self, when: dict[str, int] | None) -> bool:
         """Whether this step boundary satisfies a waiter's condition (lock held)."""
@@ -619,6 +705,13 @@ class GpuckptConnector(KVConnectorBase_V1):
                 kv_held = kv_tokens
             entries.append(request_entry(req, kv_held, self._runner_facts))
         tails = [k.hex() for k in self._tail_keys if k not in pages]
+        # Incremental: what the repository holds is referenced by the save, not copied.
+        self._durable &= set(pages) | set(self._tail_keys)
+        skip = set() if any(w.full for w in waiters) else self._durable
+        skipped = [k.hex() for k in pages if k in skip] + [t for t in tails if bytes.fromhex(t) in skip]
+        if skip:
+            pages = {k: b for k, b in pages.items() if k not in skip}
+            tails = [t for t in tails if bytes.fromhex(t) not in skip]
         self._capture_seq += 1
         seq = self._capture_seq
         ledger = make_ledger(entries, step=self._step, block_size=bs)
@@ -628,6 +721,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             "ledger": ledger.model_dump(mode="json", by_alias=True),
             "step": self._step,
             "pages": len(pages) + len(tails),
+            "skipped": skipped,  # durable: referenced, not copied
             "prefix_pages": n_prefix,
             "tail_pages": len(tails),
             "requests": len(entries),
@@ -701,7 +795,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         if cmd == "describe":
             return {"ok": True, **self._describe()}
         if cmd in ("capture", "wait"):
-            w = _Waiter(when=_condition(req.get("when")))
+            w = _Waiter(when=_condition(req.get("when")), full=bool(req.get("full", False)))
             with self._lock:
                 (self._capture_requests if cmd == "capture" else self._step_waiters).append(w)
             self._wake()
@@ -731,13 +825,24 @@ class GpuckptConnector(KVConnectorBase_V1):
                 finally:
                     pf.close()
             states, rejected = _check_states(req.get("requests") or {})
+            ttl = req.get("ttl")
             with self._lock:
+                if req.get("index"):
+                    self._offer_files.add(str(req["index"]))
                 if keys:
                     offer = dict(self._offer)
                     for k in keys:
                         offer[k] = str(req["index"])
                     self._offer = offer
+                    self._durable.update(keys)  # read from the repository: it holds them
                 self._state_offer.update(states)
+                if ttl is not None:
+                    # the offer ends (and its files go) ttl seconds from now, idle engine or not
+                    if self._offer_expiry is not None:
+                        self._offer_expiry.cancel()
+                    self._offer_expiry = threading.Timer(float(ttl), self._expire_offer)
+                    self._offer_expiry.daemon = True
+                    self._offer_expiry.start()
             return {"ok": True, "offered": len(keys), "requests": len(states), "rejected": rejected}
         if cmd == "hold":
             with self._lock:
@@ -747,9 +852,24 @@ class GpuckptConnector(KVConnectorBase_V1):
             return {"ok": True}
         if cmd == "withdraw":
             with self._lock:
-                self._offer = {}
-                self._state_offer = {}
-            return {"ok": True}
+                files = len(self._offer_files)
+                self._end_offer()
+            self._wake()
+            return {"ok": True, "files": files}
+        if cmd == "durable":
+            # {"add": [key hex], "remove": [key hex]}: the agent's word on what the repository holds
+            try:
+                add = [bytes.fromhex(k) for k in req.get("add") or []]
+                remove = [bytes.fromhex(k) for k in req.get("remove") or []]
+            except (TypeError, ValueError):
+                return {"ok": False, "error": "durable: keys must be hex strings"}
+            with self._lock:
+                self._durable.update(add)
+                self._durable.difference_update(remove)
+                n = len(self._durable)
+            return {"ok": True, "durable": n}
+        if cmd == "sweep":
+            return {"ok": True, "removed": self._sweep()}
         if cmd == "stats":
             with self._lock:
                 return {
@@ -764,6 +884,9 @@ class GpuckptConnector(KVConnectorBase_V1):
                     "states_applied": {k: list(v) for k, v in self._states_applied.items()},
                     "hook_failures": dict(self._hook_failures),
                     "captures_pending": len(self._capture_requests),
+                    "offer_files": sorted(self._offer_files),
+                    "files_to_delete": len(self._retired),
+                    "durable": len(self._durable),
                     "waits_pending": len(self._step_waiters),
                 }
         return {"ok": False, "error": f"unknown command {cmd!r}"}
@@ -901,6 +1024,10 @@ class GpuckptConnector(KVConnectorBase_V1):
                 g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
             except Exception as exc:
                 log.error("gpuckpt: the seeded state of %s is not restored: %s", rid, exc)
+        for path in meta.close_files:
+            pf = self._files.pop(path, None)
+            if pf is not None:
+                pf.close()  # its pages (users' KV) leave host memory with the last mapping
         for rid, prior in meta.priors:
             self._priors[rid] = prior
         if self._priors:

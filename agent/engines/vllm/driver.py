@@ -36,7 +36,20 @@ from agent.engines.vllm import canary as canary_mod
 from agent.engines.vllm import control, shards, staging
 from agent.engines.vllm.ledger import read as read_ledger
 from agent.engines.vllm.ledger import resubmissions
-from ckpt import Block, BlockFailure, Ledger, Manifest, Pins, Policy, Repository, WorkerFacts, decide, host_facts
+from ckpt import (
+    Block,
+    BlockFailure,
+    BlocksMissing,
+    Existing,
+    Ledger,
+    Manifest,
+    Pins,
+    Policy,
+    Repository,
+    WorkerFacts,
+    decide,
+    host_facts,
+)
 from ckpt.compat import STRICT
 from ckpt.save import SaveProgress
 
@@ -48,7 +61,7 @@ def describe(sock: Socket) -> WorkerDescription:
     return WorkerDescription(WorkerFacts.model_validate(r["facts"]), r["layout"], r["namespace"])
 
 
-def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = None) -> Capture:
+def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = None, *, full: bool = False) -> Capture:
     """Ask the connector for a snapshot at the next step boundary.
 
     A tensor-parallel worker answers with one page file per rank; their
@@ -58,10 +71,13 @@ def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = N
     (:class:`~agent.engines.vllm.shards.ShardError`, naming the rank) and its
     page files are deleted. ``close`` deletes every page file. With ``when``
     (``{"live": n, "min_outputs": k}``) the capture is taken at the first step
-    boundary where n unfinished requests have k outputs each.
+    boundary where n unfinished requests have k outputs each. The capture is
+    incremental: pages whose keys the connector holds for durable (acknowledged
+    after a commit, or offered by a restore) are not copied and come as
+    :class:`ckpt.Existing` blocks; ``full`` copies every page.
     """
     t0 = time.monotonic()
-    r = control.call(sock, "capture", io_timeout=timeout + 5, timeout=timeout, when=when)
+    r = control.call(sock, "capture", io_timeout=timeout + 5, timeout=timeout, when=when, full=full)
     shard_recs = r.get("shards") or [{"rank": 0, "index": r["index"]}]
     files: list[staging.PageFile] = []
 
@@ -92,7 +108,9 @@ def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = N
         close()
         raise
 
-    def pages() -> Iterator[Block]:
+    skipped = [bytes.fromhex(k) for k in r.get("skipped") or []]
+
+    def pages() -> Iterator[Block | Existing]:
         joined = shards.join(
             [(v for _, v in pf.items()) for pf in files],
             shard_recs,
@@ -103,6 +121,8 @@ def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = N
         )
         for key, view in zip(first.keys, joined, strict=True):
             yield Block(key, view, first.dtype, shape)
+        for key in skipped:  # durable: the repository holds them (or the save says it does not)
+            yield Existing(key, first.dtype, tuple(shape))
 
     keys = ("step", "pages", "prefix_pages", "tail_pages", "requests", "plan_s", "wait_s", "copy_s", "bytes")
     stats = {k: r[k] for k in keys}
@@ -112,6 +132,7 @@ def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = N
     stats["page_dtype"] = first.dtype
     stats["layers"] = list(first.layers)
     stats["inexact_requests"] = r.get("inexact_requests", 0)
+    stats["skipped_pages"] = len(skipped)
     stats["shards"] = [
         {k: rec[k] for k in ("rank", "device", "kv_heads", "pages_written", "bytes", "copy_s") if k in rec}
         for rec in shard_recs
@@ -119,6 +140,11 @@ def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = N
     stats["head_axis"] = head_axis
     stats["tensor_parallel_size"] = tp
     return Capture(pages(), Ledger.model_validate(r["ledger"]), stats, close)
+
+
+#: how long a restore's blocks stay offered (for conversations whose next turn comes later)
+DEFAULT_OFFER_TTL = 600.0
+RESTORE_TAG = "restore-"
 
 
 def checkpoint(
@@ -159,33 +185,53 @@ def checkpoint(
     cap = capture(sock, timeout, when)
     if on_captured is not None:
         on_captured(dict(cap.stats))
+    recaptured = 0
+    while True:
+        try:
+            t0 = time.monotonic()
+            layout = {
+                **desc.layout,
+                "page_shape": cap.stats["page_shape"],
+                "page_dtype": cap.stats["page_dtype"],
+                "page_layers": cap.stats["layers"],
+                "head_axis": cap.stats["head_axis"],
+                # which rank held which heads when the checkpoint was taken
+                "shards": cap.stats["shards"],
+            }
+            m = repo.save(
+                cap.pages,
+                worker_id=worker_id,
+                namespace=desc.namespace,
+                pins=Pins(host=host_facts(), worker=desc.facts),
+                layout=layout,
+                ledger=cap.ledger,
+                labels=labels,
+                canary=canary,
+                deadline=deadline,
+                progress=progress,
+                cancel=cancel,
+            )
+            timings = {**cap.stats, "save_s": time.monotonic() - t0, "canary_s": canary_s, "recaptured": recaptured}
+            break
+        except BlocksMissing as exc:
+            # Keys the connector took for durable that the repository no longer holds (gc, another
+            # repository): the connector forgets them and a capture at the next step boundary
+            # copies them — never a checkpoint that names what is not stored.
+            if recaptured:
+                raise
+            recaptured = len(exc.keys)
+            control.call(sock, "durable", remove=[k.hex() for k in exc.keys])
+        finally:
+            cap.close()
+        remaining = timeout if deadline is None else max(0.1, min(timeout, deadline - time.monotonic()))
+        cap = capture(sock, remaining, None)
+    # The repository holds every key of the checkpoint now: the next capture need not copy them.
     try:
-        t0 = time.monotonic()
-        layout = {
-            **desc.layout,
-            "page_shape": cap.stats["page_shape"],
-            "page_dtype": cap.stats["page_dtype"],
-            "page_layers": cap.stats["layers"],
-            "head_axis": cap.stats["head_axis"],
-            # which rank held which heads when the checkpoint was taken
-            "shards": cap.stats["shards"],
-        }
-        m = repo.save(
-            cap.pages,
-            worker_id=worker_id,
-            namespace=desc.namespace,
-            pins=Pins(host=host_facts(), worker=desc.facts),
-            layout=layout,
-            ledger=cap.ledger,
-            labels=labels,
-            canary=canary,
-            deadline=deadline,
-            progress=progress,
-            cancel=cancel,
-        )
-        timings = {**cap.stats, "save_s": time.monotonic() - t0, "canary_s": canary_s}
-    finally:
-        cap.close()
+        control.call(sock, "durable", add=sorted({b.key for b in m.blocks}))
+    except (OSError, control.ControlError) as exc:  # only costs the next capture a full copy
+        import logging
+
+        logging.getLogger("gpuckpt.driver").warning("could not acknowledge durable keys: %s", exc)
     _LAST_STATS.clear()
     _LAST_STATS.update(timings)
     return m
@@ -267,8 +313,15 @@ def restore(
     policy: Policy = STRICT,
     generate: canary_mod.Generate | None = None,
     require_canary: bool = True,
+    offer_ttl: float | None = DEFAULT_OFFER_TTL,
 ) -> RestorePlan:
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
+
+    The verified pages go to a page file in ``staging_dir`` that the
+    connector owns once offered: it deletes the file when the offer ends —
+    :func:`withdraw`, or ``offer_ttl`` seconds after the offer (returning
+    conversations find their prefix warm until then) — and it is deleted
+    here on any failure before that.
 
     A warm restore is never handed back on an unchecked cache: unless
     ``require_canary`` is false, a checkpoint without a recorded canary, or
@@ -306,7 +359,7 @@ def restore(
     if reasons:
         return cold(reasons, {})
     states, problems = _request_states(m, warm=True)
-    out = Path(staging_dir) if staging_dir else staging.default_dir(f"restore-{os.getpid()}")
+    out = Path(staging_dir) if staging_dir else staging.default_dir(f"{RESTORE_TAG}{os.getpid()}")
     errors: list[BlockFailure] = []
     w = staging.PageWriter(
         out,
@@ -332,7 +385,11 @@ def restore(
         staging.unlink_pair(w.index_path)
         none_ok = f"no block of checkpoint {m.id} could be verified ({len(errors)} failed; first: {errors[0].error})"
         return cold([none_ok], stats)
-    reply = control.call(sock, "offer", index=str(w.index_path), requests=states)
+    try:
+        reply = control.call(sock, "offer", index=str(w.index_path), requests=states, ttl=offer_ttl)
+    except BaseException:
+        staging.unlink_pair(w.index_path)  # not offered: still ours to delete
+        raise
     offered = int(reply["offered"])
     for cid, rejected in (reply.get("rejected") or {}).items():
         problems.setdefault(cid, []).append(f"request state rejected by the worker: {rejected}")
@@ -357,6 +414,23 @@ def restore(
             return cold([str(why)], stats)
     stats["plan_s"] = time.monotonic() - t0
     return RestorePlan(True, [], _annotate(requests, problems), blocks_offered=offered, stats=stats)
+
+
+def withdraw(sock: Socket) -> int:
+    """End the worker's restore offer: no block or request state of it is used from the next step
+    boundary on, and its page files are deleted; returns how many page files it held."""
+    return int(control.call(sock, "withdraw").get("files", 0))
+
+
+def sweep(sock: Socket) -> list[str]:
+    """Ask the connector to delete capture page files no capture in flight owns (a killed agent's)."""
+    return list(control.call(sock, "sweep").get("removed", []))
+
+
+def sweep_restore_dirs() -> list[str]:
+    """Delete this user's restore staging directories whose agent process is gone (a killed agent
+    leaves its verified pages — users' KV — in ``/dev/shm``)."""
+    return staging.sweep_dead(RESTORE_TAG)
 
 
 def _shard_reasons(m: Manifest) -> list[str]:

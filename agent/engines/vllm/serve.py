@@ -334,7 +334,9 @@ class ServeProcess:
         cmd = serve_command(
             model, control_socket, host=host, port=port, staging_dir=staging_dir, args=args, kv_config=kv_config
         )
-        self._needs_socket = kv_config is None
+        self._needs_socket = kv_config is None or bool(
+            (kv_config.get("kv_connector_extra_config") or {}).get("control_socket")
+        )
         # The log is the worker's stdout/stderr; it names no secret (the API key, if any, is in env).
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

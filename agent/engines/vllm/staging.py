@@ -23,6 +23,7 @@ import contextlib
 import json
 import mmap
 import os
+import shutil
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,36 @@ def default_dir(tag: str) -> Path:
     shm = Path("/dev/shm")  # noqa: S108
     base = shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))  # noqa: S108
     return base / f"gpuckpt-{os.getuid()}-{tag}"
+
+
+def sweep_dead(tag: str) -> list[str]:
+    """Delete this user's staging directories ``default_dir(f"{tag}<pid>")`` whose process is gone
+    (killed: nothing else deletes what it staged). A directory that is not a real directory owned by
+    this user is left alone; so is one whose pid runs (perhaps reused: kept, never guessed)."""
+    probe = default_dir(f"{tag}0")
+    prefix = probe.name[: -len("0")]
+    removed: list[str] = []
+    try:
+        entries = list(probe.parent.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        rest = d.name[len(prefix) :] if d.name.startswith(prefix) else ""
+        if not rest.isdigit():
+            continue
+        try:
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            os.kill(int(rest), 0)
+            continue  # its process runs
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # not ours to judge (EPERM: another user's pid)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
+    return removed
 
 
 def ensure_dir(path: str | os.PathLike[str]) -> Path:
