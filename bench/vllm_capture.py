@@ -88,7 +88,10 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random) -> dict[
         def decode() -> None:
             while not stop.is_set():
                 p = [rng.randrange(3, SPEC["vocab"]) for _ in range(64)]
-                w.client.complete(p, {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True}, stream=False)
+                try:
+                    w.client.complete(p, {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True}, stream=False)
+                except Exception:  # the worker is killed under it at the end
+                    return
 
         threads = [threading.Thread(target=decode, daemon=True) for _ in range(2)]
         for t in threads:
