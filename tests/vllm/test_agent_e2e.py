@@ -192,7 +192,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
             with AgentClient(api) as c:
                 out["restore_b"] = c.request("GET", "/restore")
             stage = staging.default_dir(f"{driver.RESTORE_TAG}{agent.pid}")
-            out["restore_stage_offered"] = sorted(p.name for p in stage.iterdir()) if stage.is_dir() else []
+            out["restore_stage_exists"] = stage.is_dir()  # its page file may be gone already: 20 s is short
             end = time.monotonic() + 120  # the offer's 20 s, then the next step boundary
             while stage.is_dir() and any(stage.iterdir()) and time.monotonic() < end:
                 time.sleep(0.2)
@@ -359,5 +359,6 @@ def test_launch_starts_a_worker_with_the_connector_and_an_agent_beside_it(tiny_l
 
 
 def test_the_restored_pages_leave_host_memory_when_the_offer_expires(e2e: dict) -> None:
-    assert e2e["restore_stage_offered"], "the restore staged no page file"
+    assert e2e["restore_b"]["blocks_offered"] > 0, "the restore offered no page file"
+    assert e2e["restore_stage_exists"], "the restore staged nowhere the test looks"
     assert e2e["restore_stage_after"] == [], "the restore's page file outlived its offer"
