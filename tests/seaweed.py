@@ -133,6 +133,10 @@ class SeaweedServer:
             f"-s3.port={p['s3']}",
             f"-master.port={p['master']}",
             f"-volume.port={p['volume']}",
+            # Not "free disk / 128 MB" (the default): every test bucket takes volumes of its own,
+            # and on a host with less free disk the suite ran out ("No writable volumes").
+            # Volumes are not preallocated: test data stays small.
+            "-volume.max=2000",
             f"-filer.port={p['filer']}",
             f"-admin.port={p['admin']}",
             "-admin.ui=false",
