@@ -608,13 +608,16 @@ class GpuckptConnector(KVConnectorBase_V1):
         d = Path(self._staging_dir)
         if not d.is_dir():
             return removed
-        for p in d.glob("capture-*.json"):
-            if any(p.name.startswith(n + "-") or p.stem == n for n in live):
-                continue
-            staging.unlink_pair(p)
-            removed.append(p.name)
-        for p in d.glob("capture-*.bin"):  # data whose index was never written (killed mid-write)
-            if not p.with_suffix(".json").exists() and not any(p.stem.startswith(n) for n in live):
+
+        def owned(stem: str) -> bool:  # "<capture name>" or "<capture name>-r<rank>"
+            return any(stem == n or stem.startswith(n + "-") for n in live)
+
+        for p in sorted(d.glob("capture-*.json")):
+            if not owned(p.stem):
+                staging.unlink_pair(p)
+                removed.append(p.name)
+        for p in sorted(d.glob("capture-*.bin")):  # data whose index was never written (killed mid-write)
+            if not owned(p.stem) and not p.with_suffix(".json").exists():
                 p.unlink(missing_ok=True)
                 removed.append(p.name)
         return removed

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ from ckpt.compat import STRICT
 from ckpt.save import SaveProgress
 
 Socket = str | os.PathLike[str]
+log = logging.getLogger("gpuckpt.driver")
 
 
 def describe(sock: Socket) -> WorkerDescription:
@@ -229,9 +231,7 @@ def checkpoint(
     try:
         control.call(sock, "durable", add=sorted({b.key for b in m.blocks}))
     except (OSError, control.ControlError) as exc:  # only costs the next capture a full copy
-        import logging
-
-        logging.getLogger("gpuckpt.driver").warning("could not acknowledge durable keys: %s", exc)
+        log.warning("could not acknowledge durable keys", extra={"error": str(exc)})
     _LAST_STATS.clear()
     _LAST_STATS.update(timings)
     return m
