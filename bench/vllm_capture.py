@@ -1,19 +1,35 @@
-"""What a checkpoint copies and costs the worker, as the prefix cache grows: full against
-incremental capture, in one run.
+"""Capture and restore at scale: what a checkpoint costs the worker as its prefix cache grows, and how
+soon a restored worker's in-flight requests resume, in one run.
 
-A ``vllm serve`` worker (CPU build, a random-weight fp32 Llama with 2 KiB of KV
-per token) has its prefix cache filled with ``--prompts`` 1,024-token prompts
-(1×), two requests decoding; then:
+A ``vllm serve`` worker (CPU build, a random-weight fp32 Llama) has its
+prefix cache filled with ``--prompts`` 1,024-token prompts (1×), two
+requests decoding throughout; then:
 
-1. a first checkpoint (nothing is durable yet: every page is copied);
-2. 10 % more prompts, and a second checkpoint (incremental: only pages the
+1. a first checkpoint (nothing is durable yet: every page is copied, the
+   cached full blocks streamed in chunks after the consistent point, within
+   the staging bound ``--staging-mib``);
+2. 10 % more prompts and a second checkpoint (incremental: only pages the
    repository does not hold are copied);
-3. the same second state captured with ``full`` (every page copied), the
-   baseline the incremental one is measured against.
+3. the same state captured with ``full`` (every page copied), for reference;
+4. 10 % more prompts, then a pre-copy (the worker copies ``--precopy-kib``
+   per step, the agent stores the blocks), the live requests' decode rate
+   taken during it and over as long before and after it;
+5. a checkpoint after the pre-copy.
 
 The same again with 8× the prompts. Printed per checkpoint: pages copied
-(and referenced without a copy), bytes copied into host staging, the
-worker's pause (the step that copies), the capture call and the save.
+(and referenced without a copy), bytes, the worker's pause at the
+consistent point (the step that copies what may change after it), the
+largest per-step copy after it, the staging peak (the connector's count and
+the staging directory's size sampled from outside) and the capture and
+save times.
+
+Then the restore (``--no-restore`` skips it): a worker with four requests
+decoding and a prefix cache 8× their KV is checkpointed into SeaweedFS
+(S3 on loopback) and SIGKILLed; a fresh worker restores, in-flight pages
+first, and the time from the restore's start to the first resumed token is
+set against the time to fetch and verify the whole checkpoint from the
+same bucket.
+
 Ratios come from this run; the host is noisy, absolute times are not the
 point.
 """
@@ -22,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -33,6 +50,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import contextlib
+
 from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, worker_args
 
 from agent.engines.vllm import driver
@@ -41,28 +60,71 @@ from ckpt import Repository
 
 SPEC: dict[str, Any] = {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "vocab": 4096, "dtype": "float32"}
 PROMPT = 1024
+MiB = 1 << 20
 
 
-def checkpoint(w: ServeProcess, repo: Repository, *, full: bool = False) -> dict[str, Any]:
-    if full:
-        # the baseline: a capture that copies every page, saved like any other
-        cap = driver.capture(w.control_socket, 120, full=True)
-        try:
-            stats = dict(cap.stats)
-        finally:
-            cap.close()
-        return stats
-    t0 = time.monotonic()
-    driver.checkpoint(w.control_socket, repo, "bench", timeout=120)
-    st = driver.last_checkpoint_stats()
-    st["total_s"] = time.monotonic() - t0
+def checkpoint(w: ServeProcess, repo: Repository, bound: int, per_step: int, *, full: bool = False) -> dict[str, Any]:
+    sampler = StagingSampler(Path(w.staging_dir))
+    with sampler:
+        if full:
+            # the reference: a capture that copies every page (read to its end, not saved)
+            cap = driver.capture(w.control_socket, 300, full=True, max_staging=bound, copy_per_step=per_step)
+            try:
+                for _ in cap.pages:
+                    pass
+                st = dict(cap.stats)
+            finally:
+                cap.close()
+        else:
+            t0 = time.monotonic()
+            driver.checkpoint(w.control_socket, repo, "bench", timeout=300, max_staging=bound, copy_per_step=per_step)
+            st = driver.last_checkpoint_stats()
+            st["total_s"] = time.monotonic() - t0
+    st["sampled_peak_bytes"] = sampler.peak
     return st
 
 
-def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random) -> dict[str, Any]:
-    tag = f"x{prompts}"
-    repo = Repository.open(str(tmp / f"repo-{tag}"), create=True)
-    max_len = PROMPT + 4096
+class StagingSampler:
+    """The size of the capture page files in a staging directory, sampled every 2 ms from outside."""
+
+    def __init__(self, d: Path) -> None:
+        self.dir, self.peak = d, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            n = 0
+            for p in self.dir.glob("capture-*.bin"):
+                with contextlib.suppress(FileNotFoundError):
+                    n += p.stat().st_size
+            self.peak = max(self.peak, n)
+            time.sleep(0.002)
+
+    def __enter__(self) -> StagingSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def decoded(sock: str) -> dict[str, int]:
+    """Each live request's outputs at a step boundary."""
+    return dict(driver.wait_until(sock, live=2, min_outputs=0, timeout=120)["outputs"])
+
+
+def rate(sock: str, seconds: float | None = None, during: Any = None) -> tuple[float, Any]:
+    """Decode tokens per second of the live requests, over ``seconds`` or while ``during()`` runs."""
+    a, t0 = decoded(sock), time.monotonic()
+    result = during() if during is not None else time.sleep(seconds or 0)
+    b, t1 = decoded(sock), time.monotonic()
+    toks = sum(b[k] - a[k] for k in a.keys() & b.keys() if b[k] >= a[k])
+    return toks / (t1 - t0), (result, t1 - t0)
+
+
+def start_worker(model: Path, tmp: Path, tag: str, max_len: int) -> ServeProcess:
     w = ServeProcess(
         str(model),
         str(tmp / f"{tag}.sock"),
@@ -72,9 +134,17 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random) -> dict[
         args=worker_args(max_model_len=max_len),
         env=WORKER_ENV,
     )
-    out: dict[str, Any] = {"prompts": prompts}
+    w.wait_ready()
+    return w
+
+
+def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random, a: argparse.Namespace) -> dict[str, Any]:
+    tag = f"x{prompts}"
+    repo = Repository.open(str(tmp / f"repo-{tag}"), create=True)
+    bound, per_step = a.staging_mib * MiB, a.copy_mib * MiB
+    out: dict[str, Any] = {"prompts": prompts, "bound": bound}
+    w = start_worker(model, tmp, tag, PROMPT + 4096)
     try:
-        w.wait_ready()
 
         def fill(n: int) -> None:
             for _ in range(n):
@@ -82,10 +152,9 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random) -> dict[
                 w.client.complete(p, {"temperature": 0.0, "max_tokens": 1}, stream=False)
 
         fill(prompts)
-        # two requests decoding through every checkpoint
         stop = threading.Event()
 
-        def decode() -> None:
+        def decode() -> None:  # two requests decoding through every checkpoint
             while not stop.is_set():
                 p = [rng.randrange(3, SPEC["vocab"]) for _ in range(64)]
                 try:
@@ -97,21 +166,110 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random) -> dict[
         for t in threads:
             t.start()
         driver.wait_until(w.control_socket, live=2, min_outputs=8, timeout=300)
-        out["first"] = checkpoint(w, repo)
+        out["first"] = checkpoint(w, repo, bound, per_step)
         fill(max(1, prompts // 10))
-        out["incremental"] = checkpoint(w, repo)
-        out["full"] = checkpoint(w, repo, full=True)
+        out["incremental"] = checkpoint(w, repo, bound, per_step)
+        out["full"] = checkpoint(w, repo, bound, per_step, full=True)
+        out["kv_bytes"] = out["full"]["bytes"]
+        fill(max(1, prompts // 10))
+
+        def pre() -> dict[str, Any]:
+            return driver.precopy(w.control_socket, repo, timeout=300, copy_per_step=a.precopy_kib * 1024)
+
+        with_pre, (pc, secs) = rate(w.control_socket, during=pre)
+        before, _ = rate(w.control_socket, seconds=secs)
+        after, _ = rate(w.control_socket, seconds=secs)
+        out["precopy"] = {**pc, "tok_s": with_pre, "baseline_tok_s": (before + after) / 2, "seconds": secs}
+        out["after_precopy"] = checkpoint(w, repo, bound, per_step)
         stop.set()
     finally:
         w.kill()
     return out
 
 
+def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespace) -> dict[str, Any]:
+    from tests.seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp / "seaweed")
+    server.start()
+    try:
+        os.environ.update(
+            AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key, AWS_REGION="us-east-1"
+        )
+        url = f"s3://{server.make_bucket('bench')}/repo?endpoint={server.endpoint}"
+        repo = Repository.open(url, create=True)
+        live = {f"live{i}": [rng.randrange(3, SPEC["vocab"]) for _ in range(PROMPT)] for i in range(4)}
+        sampling = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+        w = start_worker(model, tmp, "ra", 2 * PROMPT + 512)
+        try:
+            for _ in range(8 * len(live)):  # prefix cache 8x the in-flight requests' prompts
+                p = [rng.randrange(3, SPEC["vocab"]) for _ in range(PROMPT)]
+                w.client.complete(p, {"temperature": 0.0, "max_tokens": 1}, stream=False)
+            probe = None
+            from agent.engines.vllm import canary
+
+            probe = canary.record(w.client.generate)
+            threads = [
+                threading.Thread(
+                    target=lambda k=k: w.client.complete(live[k], sampling, request_id=k, stream=False), daemon=True
+                )
+                for k in live
+            ]
+            driver.hold(w.control_socket, len(live), timeout=300)
+
+            def go() -> None:
+                for t in threads:
+                    t.start()
+
+            when = {"live": len(live), "min_outputs": 20}
+            m = driver.checkpoint_around(w.control_socket, go, repo, "bench-r", canary=probe, when=when, timeout=300)
+        finally:
+            w.kill()
+        b = start_worker(model, tmp, "rb", 2 * PROMPT + 512)
+        try:
+            repo = Repository.open(url)
+            t0 = time.monotonic()
+            plan = driver.restore(
+                repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-rb"), generate=b.client.generate
+            )
+            t_plan = time.monotonic() - t0
+            res = b.client.submit(plan.requests)
+            first = min(c.first_token_s for c in res.values() if c.first_token_s is not None)
+            plan.wait_offered(600)
+            cached = {
+                k: (c.cached_tokens, len(r.token_ids))
+                for r in plan.requests
+                for k, c in [(r.request_id, res[r.request_id])]
+            }
+        finally:
+            b.kill()
+        fresh = Repository.open(url)
+        t1 = time.monotonic()
+        n = sum(1 for _ in fresh.load(m.id))
+        t_full = time.monotonic() - t1
+        return {
+            "blocks": len(m.blocks),
+            "first_blocks": plan.stats.get("first_blocks"),
+            "warm": plan.warm,
+            "plan_s": t_plan,
+            "first_token_s": t_plan + first,
+            "full_fetch_s": t_full,
+            "loaded": n,
+            "cached": cached,
+            "offered_total": plan.offered_total,
+        }
+    finally:
+        server.close()
+
+
 def row(name: str, st: dict[str, Any]) -> str:
     return (
-        f"  {name:<12} copied {st['pages']:>6} pages ({st['bytes'] / 2**20:8.1f} MiB), "
-        f"referenced {st.get('skipped_pages', 0):>6}; pause {st['copy_s'] * 1000:7.1f} ms, "
-        f"capture {st['capture_s']:.2f} s" + (f", save {st['save_s']:.2f} s" if "save_s" in st else "")
+        f"  {name:<14} copied {st['pages']:>6} pages ({st['bytes'] / MiB:7.1f} MiB), "
+        f"referenced {st.get('skipped_pages', 0):>6}; pause {st['copy_s'] * 1000:6.1f} ms "
+        f"(then at most {st.get('max_chunk_copy_s', 0) * 1000:5.1f} ms a step, {st.get('chunks', 1)} chunks); "
+        f"staged peak {st.get('staged_peak_bytes', 0) / MiB:5.1f} MiB (sampled {st['sampled_peak_bytes'] / MiB:5.1f}); "
+        f"capture {st.get('stream_s', st['capture_s']):.2f} s"
+        + (f", save {st['save_s']:.2f} s" if "save_s" in st else "")
     )
 
 
@@ -119,6 +277,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=16, help="1,024-token prompts in the prefix cache at 1x")
     ap.add_argument("--scales", default="1,8", help="multiples of --prompts to run")
+    ap.add_argument("--staging-mib", type=int, default=64, help="a capture's staging bound")
+    ap.add_argument("--copy-mib", type=int, default=4, help="bytes copied per step after the consistent point")
+    ap.add_argument("--precopy-kib", type=int, default=512, help="bytes a pre-copy copies per step")
+    ap.add_argument("--no-restore", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -126,26 +288,55 @@ def main() -> None:
         tmp = Path(d)
         model = make_model(tmp, **SPEC)
         per_token = kv_bytes_per_token(SPEC["layers"], SPEC["kv_heads"], SPEC["hidden"] // SPEC["heads"], "float32")
-        results = [run_scale(model, tmp, args.prompts * int(s), rng) for s in args.scales.split(",")]
+        results = [run_scale(model, tmp, args.prompts * int(s), rng, args) for s in args.scales.split(",")]
+        restored = None if args.no_restore else run_restore(model, tmp, rng, args)
     if args.json:
-        print(json.dumps(results, indent=2, default=str))
+        print(json.dumps({"scales": results, "restore": restored}, indent=2, default=str))
         return
-    print(f"KV per token: {per_token} bytes; prompts of {PROMPT} tokens; two requests decoding")
+    print(
+        f"KV per token: {per_token} bytes; prompts of {PROMPT} tokens; two requests decoding; "
+        f"staging bound {args.staging_mib} MiB, {args.copy_mib} MiB a step after the consistent point"
+    )
     for r in results:
-        print(f"prefix cache: {r['prompts']} prompts")
-        for name in ("first", "incremental", "full"):
+        print(f"prefix cache: {r['prompts']} prompts ({r['kv_bytes'] / MiB:.0f} MiB of KV)")
+        for name in ("first", "incremental", "full", "after_precopy"):
             print(row(name, r[name]))
-        inc, full = r["incremental"], r["full"]
+        inc, full, pc = r["incremental"], r["full"], r["precopy"]
         print(
-            f"  10 % new: incremental copies {inc['bytes'] / full['bytes']:.3f} of a full capture's bytes, "
-            f"{inc['bytes'] / r['first']['bytes']:.3f} of the first's; pause {inc['copy_s'] / full['copy_s']:.2f}x"
+            f"  10 % new: incremental copies {inc['bytes'] / r['first']['bytes']:.3f} of the first's bytes "
+            f"({inc['bytes'] / full['bytes']:.3f} of a full capture's)"
+        )
+        print(
+            f"  pre-copy: {pc['new_raw_bytes'] / MiB:.1f} MiB stored in {pc['seconds']:.1f} s; decode "
+            f"{pc['tok_s']:.1f} tok/s against {pc['baseline_tok_s']:.1f} without: "
+            f"{pc['tok_s'] / pc['baseline_tok_s']:.2f}; the next checkpoint copied "
+            f"{r['after_precopy']['bytes'] / MiB:.1f} MiB"
         )
     if len(results) >= 2:
         a, b = results[0], results[-1]
         scale = b["prompts"] // a["prompts"]
-        first = b["first"]["copy_s"] / a["first"]["copy_s"]
-        inc = b["incremental"]["copy_s"] / a["incremental"]["copy_s"]
-        print(f"pause at {scale}x KV / at 1x: first {first:.2f}, incremental {inc:.2f}")
+        print(f"pause at {scale}x KV / at 1x (first checkpoint): {b['first']['copy_s'] / a['first']['copy_s']:.2f}")
+        peak = max(b["first"]["staged_peak_bytes"], b["first"]["sampled_peak_bytes"])
+        kinds = ("first", "incremental", "full", "after_precopy")
+        within = all(
+            max(r[k]["staged_peak_bytes"], r[k]["sampled_peak_bytes"]) <= r["bound"] for r in results for k in kinds
+        )
+        print(
+            f"peak staging at {scale}x / KV: {peak / b['kv_bytes']:.3f} (bound {b['bound'] / b['kv_bytes']:.3f}; "
+            f"never above the bound: {within})"
+        )
+        inc = b["incremental"]["bytes"] / b["first"]["bytes"]
+        print(f"bytes of a 10 %-new checkpoint / the first's at {scale}x: {inc:.3f}")
+        thr = b["precopy"]["tok_s"] / b["precopy"]["baseline_tok_s"]
+        print(f"decode throughput with pre-copy / without at {scale}x: {thr:.2f}")
+    if restored is not None:
+        x = restored
+        print(
+            f"restore from SeaweedFS, prefix cache 8x the in-flight KV ({x['blocks']} blocks, {x['first_blocks']} "
+            f"first): first resumed token after {x['first_token_s']:.2f} s, whole checkpoint fetched and verified in "
+            f"{x['full_fetch_s']:.2f} s: {x['first_token_s'] / x['full_fetch_s']:.3f}; "
+            f"cached (tokens, prompt): {x['cached']}"
+        )
 
 
 if __name__ == "__main__":

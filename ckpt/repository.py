@@ -64,7 +64,7 @@ from ckpt.manifest import (
 )
 from ckpt.pack import BlobEntry, PackWriter, pack_name, read_trailer
 from ckpt.pins import Pins
-from ckpt.save import SaveOptions, SaveProgress, save_checkpoint
+from ckpt.save import SaveOptions, SaveProgress, save_checkpoint, store_blocks
 from ckpt.store.base import ObjectInfo, Store, deadline_scope
 from ckpt.url import open_store
 
@@ -380,6 +380,28 @@ class Repository:
                 before_commit=lambda: held.confirm(self.max_save_seconds),
                 cancel=cancel,
             )
+
+    def store_blocks(
+        self,
+        blocks: Iterable[Block | Existing],
+        *,
+        namespace: Namespace,
+        deadline: float | None = None,
+        cancel: threading.Event | None = None,
+        options: SaveOptions | None = None,
+        lock_wait: float = 30.0,
+    ) -> dict[str, Any]:
+        """Store blocks no checkpoint names yet (a pre-copy between checkpoints; see
+        :func:`ckpt.save.store_blocks`), under a save's shared lock. A block already stored is
+        skipped. Returns counts: ``blocks``, ``new_blocks``, ``new_raw_bytes``, ``packs_written``."""
+        with (
+            deadline_scope(deadline),
+            Lock(self.store, exclusive=False, operation="store blocks", wait=lock_wait) as held,
+        ):
+            self.index.refresh(self.store, self.keyring)
+            out = store_blocks(self, blocks, namespace, options=options, deadline=deadline, cancel=cancel)
+            held.confirm(self.max_save_seconds)
+            return out
 
     def load(
         self,

@@ -78,6 +78,9 @@ class SaveOptions:
     upload_workers: int = 4
     #: bound on raw bytes queued for the encoders plus packs in memory
     max_memory: int = 512 * MiB
+    #: a tighter bound on the raw bytes queued for the encoders alone (a caller whose blocks are
+    #: views of host staging bounds that staging with it); None: what ``max_memory`` leaves
+    max_queued_raw: int | None = None
 
     def __post_init__(self) -> None:
         if self.compression not in ("zstd", "none"):
@@ -95,7 +98,8 @@ class SaveOptions:
 
     @property
     def encode_budget(self) -> int:
-        return max(self.max_memory - self.max_packs_in_flight * self.pack_size, self.pack_size)
+        budget = max(self.max_memory - self.max_packs_in_flight * self.pack_size, self.pack_size)
+        return budget if self.max_queued_raw is None else max(1, min(budget, self.max_queued_raw))
 
 
 @dataclass
@@ -181,7 +185,7 @@ class _Saver:
         self.prog = SaveProgress()
         self._last_progress = 0.0
         self._pipelines: dict[str, tuple[Pipeline, Pipeline, str, str]] = {}
-        self._released: set[int] = set()
+        self._unreleased: dict[int, Block] = {}  # blocks received and not yet released
         self._free_buffers: list[bytearray] = []  # pack buffers whose upload finished
         self.encode_pool = ThreadPoolExecutor(opts.workers, thread_name_prefix="gpuckpt-encode")
         self.upload_pool = ThreadPoolExecutor(opts.upload_workers, thread_name_prefix="gpuckpt-upload")
@@ -200,13 +204,14 @@ class _Saver:
 
     def _release(self, block: Block | Existing) -> None:
         """Call the block's release exactly once (the Block contract)."""
-        if isinstance(block, Existing) or block.release is None:
+        if isinstance(block, Existing):
             return
         with self.lock:
-            if id(block) in self._released:
+            # held here until released, so no other block can have its id meanwhile
+            if self._unreleased.pop(id(block), None) is None:
                 return
-            self._released.add(id(block))
-        block.release()
+        if block.release is not None:
+            block.release()
 
     def _fail(self, exc: BaseException) -> None:
         with self.lock:
@@ -333,11 +338,13 @@ class _Saver:
 
     def run(
         self, blocks: Iterable[Block | Existing], ns: Namespace
-    ) -> tuple[list[tuple[Block | Existing, str]], dict[str, BlobEntry]]:
+    ) -> tuple[list[tuple[Existing, str]], dict[str, BlobEntry]]:
         """Stream blocks through the pipeline; returns (block, blob id) in input
         order and the entry for every blob referenced."""
         index = self.repo.index
-        refs: list[tuple[Block | Existing, str]] = []
+        # (key, dtype, shape) of each block in input order: not the block, whose buffer (a view of
+        # the caller's staging) must be let go as soon as it is encoded or found stored
+        refs: list[tuple[Existing, str]] = []
         known: dict[str, BlobEntry] = {}
         submitted: set[str] = set()
         encodes: list[Future[None]] = []
@@ -348,7 +355,12 @@ class _Saver:
                 if not isinstance(cast(object, block), Block | Existing):
                     raise ConfigError(f"save takes ckpt.Block or ckpt.Existing objects, got {type(block).__name__}")
                 blob_id = self.repo.blob_id(ns, block.key)
-                refs.append((block, blob_id))
+                if isinstance(block, Existing):
+                    refs.append((block, blob_id))
+                else:
+                    refs.append((Existing(block.key, block.dtype, tuple(block.shape)), blob_id))
+                    with self.lock:
+                        self._unreleased[id(block)] = block
                 n = block.nbytes
                 with self.lock:
                     self.prog.blocks += 1
@@ -428,8 +440,10 @@ class _Saver:
             else:
                 self.upload_pool.shutdown(wait=True, cancel_futures=True)
             # Encodes cancelled by a failure never ran: release their blocks.
-            for block, _ in refs:
-                self._release(block)
+            with self.lock:
+                left = list(self._unreleased.values())
+            for b in left:
+                self._release(b)
         with self.lock:
             known.update(self.entries)
         return refs, known
@@ -441,6 +455,63 @@ class _Saver:
             # On failure gc reclaims it after the grace period.
             with contextlib.suppress(GpuckptError):
                 self.repo.store.delete(pack_name(p.id))
+
+
+def _write_blobs(
+    repo: Repository,
+    blocks: Iterable[Block | Existing],
+    namespace: Namespace,
+    options: SaveOptions | None,
+    progress: Callable[[SaveProgress], None] | None,
+    deadline: float | None,
+    cancel: threading.Event | None,
+) -> tuple[_Saver, list[tuple[Existing, str]], dict[str, BlobEntry], list[PackRecord]]:
+    """Packs for every block not stored yet, then one index document naming them."""
+    saver = _Saver(repo, options or repo.default_save_options(), progress, deadline, cancel)
+    try:
+        refs, entries = saver.run(blocks, namespace)
+    except BaseException:
+        if saver.expired() is not None:
+            # past the deadline the caller must not wait on a store that may be hanging:
+            # the clean-up is best effort anyway (gc reclaims what it leaves)
+            threading.Thread(target=saver.discard_written, name="gpuckpt-discard", daemon=True).start()
+        else:
+            saver.discard_written()
+        raise
+    written = sorted(saver.written, key=lambda p: p.id)
+    # A failure from here on leaves at most an index document; it names only
+    # durable packs, so it is harmless, and later saves may dedup against it.
+    if written:
+        saver.prog.phase = "index"
+        name = index_name(secrets.token_hex(16))
+        repo.store.put(name, encode_index(name, written, repo.keyring))
+        repo.index.add(name, written)
+    return saver, refs, entries, written
+
+
+def store_blocks(
+    repo: Repository,
+    blocks: Iterable[Block | Existing],
+    namespace: Namespace,
+    *,
+    options: SaveOptions | None = None,
+    progress: Callable[[SaveProgress], None] | None = None,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Store blocks ahead of the checkpoint that will name them (a pre-copy): packs and an index
+    document, no manifest. A later save finds them stored and references them; until one does,
+    gc keeps their packs for its grace period and then reclaims them as any unreferenced pack."""
+    t0 = time.monotonic()
+    saver, refs, _, written = _write_blobs(repo, blocks, namespace, options, progress, deadline, cancel)
+    return {
+        "blocks": len(refs),
+        "new_blocks": saver.prog.new_blocks,
+        "new_raw_bytes": saver.prog.new_raw_bytes,
+        "stored_bytes": saver.prog.stored_bytes,
+        "packs_written": len(written),
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def save_checkpoint(
@@ -468,32 +539,12 @@ def save_checkpoint(
     on a lock another process may already take for stale).
     """
     check_worker_id(worker_id)
-    opts = options or repo.default_save_options()
     if isinstance(ledger, dict):
         ledger = Ledger.model_validate(ledger)
     t0 = time.monotonic()
     started = datetime.now(UTC)
-    saver = _Saver(repo, opts, progress, deadline, cancel)
-    try:
-        refs, entries = saver.run(blocks, namespace)
-    except BaseException:
-        if saver.expired() is not None:
-            # past the deadline the caller must not wait on a store that may be hanging:
-            # the clean-up is best effort anyway (gc reclaims what it leaves)
-            threading.Thread(target=saver.discard_written, name="gpuckpt-discard", daemon=True).start()
-        else:
-            saver.discard_written()
-        raise
+    saver, refs, entries, written = _write_blobs(repo, blocks, namespace, options, progress, deadline, cancel)
     t_blocks = time.monotonic() - t0
-
-    written = sorted(saver.written, key=lambda p: p.id)
-    # A failure from here on leaves at most an index document; it names only
-    # durable packs, so it is harmless, and later saves may dedup against it.
-    if written:
-        saver.prog.phase = "index"
-        name = index_name(secrets.token_hex(16))
-        repo.store.put(name, encode_index(name, written, repo.keyring))
-        repo.index.add(name, written)
 
     codec_table: dict[str, int] = {}
     block_refs = []

@@ -286,6 +286,8 @@ def restore_cmd(
                     }
                     for rid, c in outs.items()
                 }
+            # the rest streams in behind the resubmitted requests; this process must not end before it
+            result.wait_offered()
         finally:
             if client is not None:
                 client.close()
@@ -293,7 +295,7 @@ def restore_cmd(
         "checkpoint": m.id,
         "warm": result.warm,
         "reasons": result.reasons,
-        "blocks_offered": result.blocks_offered,
+        "blocks_offered": result.offered_total,
         "requests": [x.request_id for x in result.requests],
         "resubmitted": bool(outputs),
         "outputs": outputs,

@@ -101,6 +101,9 @@ class FakeConnector:
             }
             return {
                 "ok": True,
+                "seq": self.captures,
+                "chunk": 0,  # the whole capture in its consistent point's chunk
+                "last": True,
                 "index": str(w.index_path),
                 "ledger": ledger,
                 "step": self.captures,
@@ -113,6 +116,10 @@ class FakeConnector:
                 "copy_s": 0.001,
                 "bytes": idx.page_bytes * len(idx.keys),
             }
+        if cmd == "next":  # the agent read the last chunk
+            return {"ok": True, "done": True, "chunks": 1, "lost_pages": 0}
+        if cmd == "cancel":
+            return {"ok": True, "cancelled": False}
         if cmd == "offer":
             return {"ok": True, "offered": 0}
         if cmd in ("withdraw", "ping"):

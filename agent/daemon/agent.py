@@ -101,6 +101,8 @@ class Agent:
         self.restore_report: dict[str, Any] | None = None
         self.last_gc: dict[str, Any] | None = None
         self._gc_running = threading.Event()
+        self.last_precopy: dict[str, Any] | None = None
+        self._precopy_running = threading.Event()
         self._swept_connector = False
         self.preempted: dict[str, Any] | None = None
         self._canary: tuple[Any, dict[str, Any]] | None = None  # (worker pid, record)
@@ -281,6 +283,8 @@ class Agent:
                 self.cfg.worker_id,
                 labels={"trigger": ",".join(sorted(set(t.triggers)))},
                 timeout=self.cfg.checkpoint.capture_timeout.total_seconds(),
+                max_staging=self.cfg.checkpoint.max_staging,
+                copy_per_step=self.cfg.checkpoint.copy_per_step,
                 canary=canary,
                 deadline=deadline,
                 progress=progress,
@@ -301,12 +305,16 @@ class Agent:
         t.progress["phase"] = "done"
         self.worker.update(attached=True, last_seen=_now(), error=None)
         self.metrics.checkpoint_done(trigger, stats, m.sizes)
+        if stats.get("staged_peak_bytes") is not None:
+            self.metrics.staging_peak.set(float(stats["staged_peak_bytes"]))
         self.last_checkpoint = {
             "id": m.id,
             "at": _now(),
             "triggers": t.triggers,
             "duration_s": round(stats["total_s"], 3),
             "pause_ms": round(stats.get("copy_s", 0.0) * 1000, 2),
+            "staged_peak_bytes": stats.get("staged_peak_bytes"),
+            "lost_pages": stats.get("lost_pages", 0),
             "blocks": m.sizes.blocks,
             "new_blocks": m.sizes.new_blocks,
             "stored_bytes": m.sizes.stored_bytes,
@@ -356,6 +364,7 @@ class Agent:
         next_poll = now if (c.preemption_file or c.preemption_url) else None
         gc_every = self.cfg.retention.gc_interval
         next_gc = now + gc_every.total_seconds() if gc_every else None
+        next_precopy = now + c.precopy_interval.total_seconds() if c.precopy_interval else None
         while not self._stopping.wait(0.2):
             now = time.monotonic()
             if self.state == "stopping":
@@ -370,6 +379,12 @@ class Agent:
                     self.preempted = {"at": _now(), "notice": notice}
                     log.warning("preemption notice", extra={"notice": notice})
                     self.request_checkpoint("preemption")
+            if next_precopy is not None and now >= next_precopy:
+                next_precopy = now + c.precopy_interval.total_seconds()  # type: ignore[union-attr]
+                idle = self._running is None and self._pending is None
+                if idle and not self._precopy_running.is_set() and self.preempted is None:
+                    self._precopy_running.set()
+                    threading.Thread(target=self._precopy, name="gpuckpt-precopy", daemon=True).start()
             if next_gc is not None and now >= next_gc:
                 next_gc = now + gc_every.total_seconds()  # type: ignore[union-attr]
                 # Off this thread: it also polls for preemption notices, which a
@@ -391,6 +406,31 @@ class Agent:
             except OSError:
                 return None
         return None
+
+    def _precopy(self) -> None:
+        """Store the worker's new cached blocks ahead of the next checkpoint (see ``driver.precopy``);
+        a checkpoint's capture supersedes it, and any failure only costs that checkpoint a larger copy."""
+        from agent.engines.vllm import driver
+
+        assert self.repo is not None
+        c = self.cfg.checkpoint
+        try:
+            out = driver.precopy(
+                self.cfg.connector_socket,
+                self.repo,
+                timeout=c.capture_timeout.total_seconds(),
+                copy_per_step=c.copy_per_step,
+                max_staging=c.max_staging,
+                deadline=time.monotonic() + c.deadline.total_seconds(),
+            )
+            self.last_precopy = {"at": _now(), **out}
+            self.metrics.precopy_bytes.inc(int(out.get("new_raw_bytes") or 0))
+            log.info("pre-copy stored", extra=out)
+        except Exception as exc:
+            self.last_precopy = {"at": _now(), "error": _describe(exc)}
+            log.info("pre-copy did not complete", extra={"error": _describe(exc)})
+        finally:
+            self._precopy_running.clear()
 
     def _gc(self) -> None:
         assert self.repo is not None
@@ -472,6 +512,7 @@ class Agent:
                 generate=client.generate if client is not None else None,
                 require_canary=self.cfg.restore.require_canary,
                 offer_ttl=self.cfg.restore.offer_ttl.total_seconds(),
+                max_staging=self.cfg.restore.max_staging,
             )
         except Exception as exc:
             rep.update(outcome="failed", reasons=[_describe(exc)])
@@ -497,6 +538,11 @@ class Agent:
             "restore planned",
             extra={"checkpoint": info.id, "outcome": outcome, "reasons": plan.reasons, "requests": len(plan.requests)},
         )
+        if plan.rest is not None:
+            rep["rest"] = {"state": "streaming"}
+            threading.Thread(
+                target=self._await_rest, args=(plan, rep), name="gpuckpt-restore-rest", daemon=True
+            ).start()
         if client is not None and plan.requests:
             # A one-shot thread: not in self._threads, whose liveness the watchdog checks.
             threading.Thread(
@@ -509,6 +555,13 @@ class Agent:
             if client is not None:
                 client.close()
         return rep
+
+    def _await_rest(self, plan: Any, rep: dict[str, Any]) -> None:
+        """The rest of a streaming restore arrives behind the resubmitted requests: record when it has."""
+        plan.wait_offered()
+        rep["blocks_offered"] = plan.offered_total
+        rep["rest"] = {"state": "done", **plan.rest.stats}
+        log.info("restore offered the rest", extra={"checkpoint": rep.get("checkpoint"), **plan.rest.stats})
 
     def _resubmit(self, client: Any, requests: list[Any], rep: dict[str, Any]) -> None:
         """Resubmit the ledger; keep each output under its original id for a gateway to collect."""
@@ -557,6 +610,7 @@ class Agent:
             "restore": rr,
             "preempted": self.preempted,
             "last_gc": self.last_gc,
+            "last_precopy": self.last_precopy,
         }
 
     def _status_line(self) -> str:

@@ -43,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ckpt.errors import ConfigError
@@ -107,8 +107,22 @@ class CheckpointConfig(_Section):
     preemption_poll: Duration = timedelta(seconds=5)
     canary: bool = True
     capture_timeout: Duration = timedelta(seconds=60)
+    max_staging: ByteSize = Field(
+        ByteSize(256 << 20),
+        description="host memory a capture's pages may take at once (staged page files and pages queued "
+        "in the save); the cached full blocks stream in chunks within it",
+    )
+    precopy_interval: Duration | None = Field(
+        None,
+        description="store the worker's new cached blocks this often between checkpoints (a pre-copy), so "
+        "that a checkpoint — a preemption's above all — copies only what changed since; none when unset",
+    )
+    copy_per_step: ByteSize = Field(
+        ByteSize(16 << 20),
+        description="bytes of cached blocks the worker copies per engine step after the consistent point",
+    )
 
-    @field_validator("interval")
+    @field_validator("interval", "precopy_interval")
     @classmethod
     def _positive(cls, v: timedelta | None) -> timedelta | None:
         if v is not None and v.total_seconds() <= 0:
@@ -129,6 +143,11 @@ class RestoreConfig(_Section):
     offer_ttl: Duration = Field(
         timedelta(minutes=10),
         description="how long the restored blocks stay offered to the worker (then their staging is deleted)",
+    )
+    max_staging: ByteSize | None = Field(
+        None,
+        description="host memory the restored pages may take while offered; blocks past it are not offered "
+        "(default: half the staging filesystem's free space)",
     )
 
 

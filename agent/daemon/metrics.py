@@ -43,6 +43,12 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r,
         )
+        self.precopy_bytes = Counter(
+            "gpuckpt_precopy_bytes_total", "Raw KV bytes stored ahead of checkpoints by pre-copies", registry=r
+        )
+        self.staging_peak = Gauge(
+            "gpuckpt_capture_staging_peak_bytes", "Peak host staging of the last capture", registry=r
+        )
         self.bytes_written = Counter("gpuckpt_bytes_written_total", "Bytes uploaded (after compression)", registry=r)
         self.bytes_deduplicated = Counter(
             "gpuckpt_bytes_deduplicated_total", "Raw KV bytes not uploaded because the repository had them", registry=r

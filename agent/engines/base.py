@@ -51,14 +51,16 @@ class WorkerDescription:
 
 @dataclass
 class Capture:
-    """One consistent snapshot: pages copied at a single step boundary and the ledger of that step.
+    """One consistent snapshot: the ledger of one step boundary and the pages as of that boundary.
 
-    ``pages`` yields blocks in no particular order; keys are unique within a
-    capture. ``close`` frees the staging memory and is idempotent.
+    ``pages`` yields blocks in no particular order (an engine may stream them
+    after the boundary: see the vLLM driver's ``capture``); keys are unique
+    within a capture; ``stats`` is complete once ``pages`` is exhausted.
+    ``close`` frees the staging memory and is idempotent.
     """
 
     pages: Iterator[Block | Existing]  # Existing: durable keys an incremental capture did not copy
-    ledger: Ledger
+    ledger: Ledger | None  # None for a pre-copy (prefix cache only)
     stats: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
 
@@ -97,6 +99,28 @@ class RestorePlan:
     requests: list[Resubmission]
     blocks_offered: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    #: a streaming restore's rest, offered behind the in-flight requests' blocks (``wait(timeout)``,
+    #: ``offered``, ``stats``); None when nothing follows
+    rest: Any = None
+
+    def wait_offered(self, timeout: float | None = None) -> bool:
+        """Wait until every block the restore will offer is offered (or failed); False on timeout."""
+        return self.rest is None or bool(self.rest.wait(timeout))
+
+    def totals(self) -> dict[str, Any]:
+        """Blocks written and failed over the whole restore so far, the rest's parts included."""
+        rest = self.rest.stats if self.rest is not None else {}
+        return {
+            "blocks": int(self.stats.get("blocks", 0)) + int(rest.get("blocks", 0)),
+            "failed_blocks": int(self.stats.get("failed_blocks", 0)) + int(rest.get("failed_blocks", 0)),
+            "failures": list(self.stats.get("failures", [])) + list(rest.get("failures", [])),
+            "not_offered": int(rest.get("not_offered", 0)),
+        }
+
+    @property
+    def offered_total(self) -> int:
+        """Blocks offered so far: the first part and what of the rest has followed."""
+        return self.blocks_offered + (int(self.rest.offered) if self.rest is not None else 0)
 
 
 class Engine(Protocol):

@@ -68,7 +68,12 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     with serve_worker(tiny_llama, tmp, "b") as b:
         b.wait_ready()
         out["plan"] = driver.restore(
-            repo, out["m3"].id, b.control_socket, staging_dir=str(tmp / "restore-b"), generate=b.client.generate
+            repo,
+            out["m3"].id,
+            b.control_socket,
+            staging_dir=str(tmp / "restore-b"),
+            generate=b.client.generate,
+            wait=True,  # the conversations' next turns below need the whole prefix cache offered
         )
         out["resumed"] = {k: b.client.complete(p, TURN, stream=False) for k, p in nxt.items()}
         out["prompts"] = nxt

@@ -297,6 +297,9 @@ def main() -> None:
         drain(llm, outs, until=note_first)
         res["resume_s"] = first
         res["restore_total_s"] = time.monotonic() - t0
+        # the rest of the prefix cache streams in behind the resubmitted requests
+        assert plan.wait_offered(300), "the rest of the restore did not arrive"
+        res["restore_stats"] = {**plan.stats, **plan.totals()}
         res["restored"] = {
             r.request_id: {
                 "full": r.token_ids + outs[r.request_id]["tokens"],
@@ -329,7 +332,8 @@ def main() -> None:
                 staging_dir=a["staging"],
                 generate=make_generate(llm, {}, fault=True),
             )
-            f: dict = {"warm": plan.warm, "reasons": plan.reasons, "restore_stats": plan.stats}
+            plan.wait_offered(300)
+            f: dict = {"warm": plan.warm, "reasons": plan.reasons, "restore_stats": {**plan.stats, **plan.totals()}}
             f["connector_after_restore"] = driver.stats(a["socket"])
             # new ids: the first pass's requests (same client ids) are finished, but keep them apart
             again = [dataclasses.replace(r, request_id=r.request_id + "-again") for r in plan.requests]

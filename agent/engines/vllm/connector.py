@@ -105,7 +105,7 @@ import os
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +120,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from agent.engines.vllm import control, staging
+from agent.engines.vllm.capture import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, Pending, Stream, chunk_pages
 from agent.engines.vllm.copier import Gathered, PageCopier
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
 from agent.engines.vllm.shards import Heads, full_shape, local_heads
@@ -176,10 +177,10 @@ class GpuckptMeta(KVConnectorMetadata):
 
 @dataclass
 class GpuckptWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker → scheduler: each rank's captures finished this step,
-    ``seq → {rank → {"index", "error", "copy_s", "bytes", …}}``."""
+    """Worker → scheduler: each rank's capture chunks finished this step,
+    ``"<seq>.<chunk>" → {rank → {"index", "error", "copy_s", "bytes", …}}``."""
 
-    done: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    done: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge another rank's reports (vLLM folds the ranks in rank order); no rank's report is dropped."""
@@ -242,6 +243,9 @@ class _Waiter:
     # unfinished requests have k outputs each (judged on the scheduler thread)
     when: dict[str, int] | None = None
     full: bool = False  # copy every page, durable or not
+    prefix_only: bool = False  # a pre-copy: non-durable full blocks only, no ledger
+    max_staging: int | None = None  # this capture's staging bound (bytes), else the connector's
+    copy_per_step: int | None = None  # bytes of full blocks copied per step after the consistent point
 
 
 def _condition(raw: Any) -> dict[str, int] | None:
@@ -310,6 +314,10 @@ class GpuckptConnector(KVConnectorBase_V1):
         group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
         page_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names) if group else 1
         self._tail_cap = int(extra.get("tail_bytes", 256 << 20)) // max(1, page_bytes)
+        # A capture's host staging: every rank's shard of a page together (see .capture).
+        self._host_page_bytes = page_bytes * self._tp
+        self._max_staging = int(extra.get("max_staging_bytes") or DEFAULT_MAX_STAGING)
+        self._copy_per_step = int(extra.get("copy_bytes_per_step") or DEFAULT_COPY_PER_STEP)
         # scheduler half
         self._lock = threading.Lock()
         self._pool: BlockPool | None = None
@@ -321,13 +329,17 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._hold = 0  # hold new requests until this many have arrived (see get_num_new_matched_tokens)
         self._hold_until = 0.0
         self._held: set[str] = set()
-        # seq → (waiters, info, each rank's report so far)
-        self._captures: dict[int, tuple[list[_Waiter], dict[str, Any], dict[int, dict[str, Any]]]] = {}
+        # The capture in flight (one at a time): its consistent point is taken, its full blocks
+        # follow chunk by chunk (see .capture). Control calls wait on _cond for its chunks.
+        self._stream: Stream | None = None
+        self._cond = threading.Condition(self._lock)
+        self._last_stream: dict[str, Any] = {}
         self._offer: dict[bytes, str] = {}  # key → page file index path
         # An offered page file belongs to the connector from the offer on: it is deleted when the offer
         # ends (withdraw, or ``ttl`` after the offer), and the workers close their mappings of it.
         self._offer_files: set[str] = set()
         self._offer_expiry: threading.Timer | None = None
+        self._offer_generation = 0  # one per restore offer; ends with it
         self._retired: list[str] = []  # ended offers' files: deleted at the next step boundary
         # Keys the repository holds (the agent acknowledges a checkpoint's keys once it commits; a
         # restore's offered keys came from it): an incremental capture does not copy them. Pruned
@@ -358,7 +370,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._tail_pages: OrderedDict[bytes, bytes] = OrderedDict()
         self._sent: set[str] = set()
         self._kv: list[tuple[str, torch.Tensor]] = []
-        self._done: dict[int, dict[int, dict[str, Any]]] = {}
+        self._done: dict[str, dict[int, dict[str, Any]]] = {}
         self._done_lock = threading.Lock()
         self._copier: PageCopier | None = None
         self._files: dict[str, staging.PageFile] = {}
@@ -399,7 +411,8 @@ class GpuckptConnector(KVConnectorBase_V1):
         # half reports its page file (written off the step, one or more steps later).
         # (Conditional waiters wait for requests, which keep the engine stepping themselves.)
         unconditional = any(not w.when for w in self._capture_requests)
-        return bool(unconditional or self._captures or self._tail_copies or self._tails_inflight or self._retired)
+        streaming = self._stream is not None and self._stream.needs_steps()
+        return bool(unconditional or streaming or self._tail_copies or self._tails_inflight or self._retired)
 
     @_hook(_nothing)
     def on_new_request(self, request: Request) -> None:
@@ -577,15 +590,69 @@ class GpuckptConnector(KVConnectorBase_V1):
                 if met:
                     self._step_waiters = [w for w in self._step_waiters if w not in met]
                     self._answer(met, {"ok": True, **self._progress()})
-            ready = [w for w in self._capture_requests if self._met(w.when)]
-            if ready:
-                self._capture_requests = [w for w in self._capture_requests if w not in ready]
-                try:
-                    meta.capture = self._plan_capture(scheduler_output, ready)
-                except Exception as exc:  # the capture fails; the step goes on
-                    log.exception("gpuckpt: planning a capture failed")
-                    self._answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
+            st = self._stream
+            if st is not None and st.prefix_only and any(not w.prefix_only for w in self._capture_requests):
+                self._end_stream(st, "superseded by a checkpoint's capture")  # a pre-copy makes way
+                st = None
+            if st is not None and st.idle(time.monotonic()):
+                self._end_stream(st, f"abandoned: no word from the agent for {st.idle_timeout:.0f} s")
+                st = None
+            if st is not None:
+                if st.can_issue() and st.issued:
+                    meta.capture = self._next_chunk(st)
+                elif not scheduler_output.total_num_scheduled_tokens:
+                    time.sleep(0.002)  # an idle engine stepping only to collect chunk reports: do not spin
+            else:
+                ready = [w for w in self._capture_requests if self._met(w.when)]
+                if ready:
+                    self._capture_requests = [w for w in self._capture_requests if w not in ready]
+                    try:
+                        meta.capture = self._plan_capture(scheduler_output, ready)
+                    except Exception as exc:  # the capture fails; the step goes on
+                        log.exception("gpuckpt: planning a capture failed")
+                        self._answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
         return meta
+
+    def _still_cached(self, p: Pending) -> bool:
+        """Whether the block pool's map still names block ``p.block_id`` for ``p``'s hash (lock held):
+        then its content is the one the key names (see .capture)."""
+        if p.lookup is None:  # a finished request's stored tail (worker memory): still kept?
+            return p.key in self._tail_keys
+        assert self._pool is not None
+        v = self._pool.cached_block_hash_to_block._cache.get(p.lookup)
+        if v is None:
+            return False
+        if isinstance(v, dict):
+            return p.block_id in v
+        return int(v.block_id) == p.block_id
+
+    def _next_chunk(self, st: Stream) -> dict[str, Any]:
+        """The step's share of a stream's full blocks, for the workers to copy after the forward."""
+        pages = st.take(self._still_cached)
+        k = st.issue(len(pages))
+        return {
+            "seq": st.seq,
+            "chunk": k,
+            "dir": st.directory,
+            "name": st.name,
+            "pages": [[p.key.hex(), p.block_id] for p in pages if p.lookup is not None],
+            "tails": [p.key.hex() for p in pages if p.lookup is None],
+            "generators": False,
+        }
+
+    def _end_stream(self, st: Stream, error: str | None) -> None:
+        """Close a stream (lock held): with ``error``, abandon it and delete what it staged."""
+        if error is not None:
+            st.error = st.error or error
+            for path in st.files():
+                staging.unlink_pair(path)
+            self._answer(st.waiters, {"ok": False, "error": f"capture {st.seq} failed: {st.error}"})
+            log.warning("gpuckpt: capture %d ended: %s", st.seq, st.error)
+        st.waiters = []
+        self._last_stream = {"seq": st.seq, "error": st.error, **st.summary()}
+        if self._stream is st:
+            self._stream = None
+        self._cond.notify_all()
 
     def _retire_files(self) -> list[str]:
         """Delete the page files of ended offers (lock held; at a step boundary, so that no load
@@ -603,7 +670,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         """Delete capture page files in the staging directory that no capture in flight owns: left
         by a killed agent (mid-save) or a killed worker. The agent asks at its start."""
         with self._lock:
-            live = {f"capture-{os.getpid()}-{seq}" for seq in self._captures}
+            live = {self._stream.name} if self._stream is not None else set()
         removed: list[str] = []
         d = Path(self._staging_dir)
         if not d.is_dir():
@@ -622,8 +689,29 @@ class GpuckptConnector(KVConnectorBase_V1):
                 removed.append(p.name)
         return removed
 
+    def _request_keys(self, r: dict[str, Any]) -> list[str]:
+        """The keys of the pages holding the first ``kv_tokens`` tokens of ``token_ids``: the engine's
+        own block hashes, then the tail key of a partial last page (hex)."""
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        hasher = getattr(self._engine, "request_block_hasher", None)
+        ids = [int(t) for t in r.get("token_ids") or []]
+        n = min(int(r.get("kv_tokens", len(ids))), len(ids))
+        if hasher is None or n <= 0:
+            return []
+        salt = r.get("cache_salt")
+        rq = Request("gpuckpt-keys", ids[:n], SamplingParams(max_tokens=1), None, cache_salt=salt, block_hasher=hasher)
+        bs = self._block_size
+        full = [bytes(h) for h in rq.block_hashes][: n // bs]
+        keys = [k.hex() for k in full]
+        if n % bs and len(full) == n // bs:
+            keys.append(tail_key(full[-1] if full else b"", ids[len(full) * bs : n], salt, None).hex())
+        return keys
+
     def _end_offer(self) -> None:
         """Withdraw every offered block and state (lock held); their page files go at the next step."""
+        self._offer_generation += 1  # later parts of a streaming restore are refused
         self._offer = {}
         self._state_offer = {}
         self._retired.extend(sorted(self._offer_files))
@@ -662,6 +750,13 @@ class GpuckptConnector(KVConnectorBase_V1):
             w.event.set()
 
     def _plan_capture(self, so: SchedulerOutput, waiters: list[_Waiter]) -> dict[str, Any]:
+        """The consistent point: write the ledger, open the stream and return chunk 0 for the workers.
+
+        Chunk 0 holds what may change after this step (live requests' partial tails, their full
+        blocks the map does not name, finished requests' stored tails) and the first share of the
+        cached full blocks; the rest follow over the next steps (see :mod:`.capture`). Pages the
+        repository holds (durable) are listed as ``skipped`` and not copied.
+        """
         from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 
         if self._pp != 1:
@@ -670,11 +765,14 @@ class GpuckptConnector(KVConnectorBase_V1):
             raise InjectedFault("injected fault in plan_capture")
         t0 = time.monotonic()
         bs = self._block_size
-        pages: dict[bytes, int] = {}
+        prefix_only = all(w.prefix_only for w in waiters)
         assert self._pool is not None
         assert self._kv_cache_manager is not None
-        # Every cached full block (in use or free-but-cached). Blocks this step
-        # evicted for reuse are already gone from the map.
+        # Every cached full block (in use or free-but-cached); blocks this step evicted for reuse
+        # are already gone from the map. Free ones first: they are the ones at risk of eviction.
+        cached: dict[bytes, Pending] = {}
+        at_risk: list[Pending] = []
+        in_use: list[Pending] = []
         for k, v in list(self._pool.cached_block_hash_to_block._cache.items()):
             blk = v if isinstance(v, KVCacheBlock) else next(iter(v.values()))
             # block_hash_num_tokens is the prefix length the hash covers; an
@@ -682,10 +780,14 @@ class GpuckptConnector(KVConnectorBase_V1):
             n = blk.block_hash_num_tokens
             if blk.is_null or (n is not None and n % bs):
                 continue
-            pages.setdefault(bytes(get_block_hash(k)), blk.block_id)
+            key = bytes(get_block_hash(k))
+            if key in cached:
+                continue
+            p = cached[key] = Pending(key, int(blk.block_id), k)
+            (in_use if blk.ref_cnt > 0 else at_risk).append(p)
+        mutable: dict[bytes, int] = {}  # copied at this step: may change or go after it
         entries = []
-        n_prefix = len(pages)
-        for rid, req in self._live.items():
+        for rid, req in [] if prefix_only else list(self._live.items()):
             if req.is_finished():
                 continue
             # With async scheduling the step being planned may hold KV of a
@@ -697,49 +799,84 @@ class GpuckptConnector(KVConnectorBase_V1):
                 ids = []
             n_full = min(kv_tokens // bs, len(ids), len(req.block_hashes))
             for i in range(n_full):
-                pages.setdefault(bytes(req.block_hashes[i]), ids[i])
+                key = bytes(req.block_hashes[i])
+                if key not in cached:
+                    mutable.setdefault(key, ids[i])
             kv_held = n_full * bs
             tail = kv_tokens - kv_held
             if tail > 0 and n_full < len(ids) and n_full == kv_tokens // bs:
                 parent = bytes(req.block_hashes[n_full - 1]) if n_full else b""
                 lora = getattr(req.lora_request, "lora_name", None)
                 toks = req.all_token_ids[kv_held:kv_tokens]
-                pages[tail_key(parent, toks, req.cache_salt, lora)] = ids[n_full]
+                mutable[tail_key(parent, toks, req.cache_salt, lora)] = ids[n_full]
                 kv_held = kv_tokens
             entries.append(request_entry(req, kv_held, self._runner_facts))
-        tails = [k.hex() for k in self._tail_keys if k not in pages]
+        # finished requests' stored tails do not change either: they stream like the cached blocks
+        tails = [] if prefix_only else [k for k in self._tail_keys if k not in cached and k not in mutable]
         # Incremental: what the repository holds is referenced by the save, not copied.
-        self._durable &= set(pages) | set(self._tail_keys)
+        self._durable &= set(cached) | set(mutable) | set(self._tail_keys)
         skip = set() if any(w.full for w in waiters) else self._durable
-        skipped = [k.hex() for k in pages if k in skip] + [t for t in tails if bytes.fromhex(t) in skip]
-        if skip:
-            pages = {k: b for k, b in pages.items() if k not in skip}
-            tails = [t for t in tails if bytes.fromhex(t) not in skip]
+        skipped = [] if prefix_only else [k.hex() for k in (*cached, *mutable) if k in skip]
+        skipped += [t.hex() for t in tails if t in skip]
+        mutable = {k: b for k, b in mutable.items() if k not in skip}
+        stored = [Pending(t, -1, None) for t in tails if t not in skip]
+        pending = deque(p for p in (*at_risk, *stored, *in_use) if p.key not in skip)
         self._capture_seq += 1
         seq = self._capture_seq
-        ledger = make_ledger(entries, step=self._step, block_size=bs)
-        name = f"capture-{os.getpid()}-{seq}"
-        info = {
+        w0 = waiters[0]
+        bound = w0.max_staging or self._max_staging
+        per_step = w0.copy_per_step or self._copy_per_step
+        info: dict[str, Any] = {
             "seq": seq,
-            "ledger": ledger.model_dump(mode="json", by_alias=True),
             "step": self._step,
-            "pages": len(pages) + len(tails),
+            "pages": len(mutable) + len(pending),
             "skipped": skipped,  # durable: referenced, not copied
-            "prefix_pages": n_prefix,
-            "tail_pages": len(tails),
+            "prefix_pages": len(cached),
+            "tail_pages": len(stored),
             "requests": len(entries),
             "inexact_requests": sum(not e["exact"] for e in entries),
             "tensor_parallel_size": self._tp,
+            "prefix_only": prefix_only,
             "plan_s": time.monotonic() - t0,
             "wait_s": time.monotonic() - min(w.requested for w in waiters),
         }
-        self._captures[seq] = (waiters, info, {})  # several callers may share one capture
+        if not prefix_only:
+            info["ledger"] = make_ledger(entries, step=self._step, block_size=bs).model_dump(mode="json", by_alias=True)
+        st = Stream(
+            seq=seq,
+            name=f"capture-{os.getpid()}-{seq}",
+            directory=self._staging_dir,
+            info=info,
+            pending=pending,
+            chunk_pages=chunk_pages(self._host_page_bytes, max_staging=bound, copy_per_step=per_step),
+            page_bytes=self._host_page_bytes,
+            max_staging=bound,
+            prefix_only=prefix_only,
+            waiters=list(waiters),  # several callers may share one capture
+        )
+        if len(mutable) > st.chunk_pages:
+            log.warning(
+                "gpuckpt: capture %d: %d pages may change after the consistent point and are copied at it, "
+                "more than a chunk within the staging bound of %d bytes",
+                seq,
+                len(mutable),
+                bound,
+            )
+        self._stream = st
+        # chunk 0: what may change, topped up to a chunk with blocks that do not
+        room, st.chunk_pages = st.chunk_pages, max(0, st.chunk_pages - len(mutable))
+        first = st.take(self._still_cached)
+        st.chunk_pages = room
+        k = st.issue(len(mutable) + len(first))
         return {
             "seq": seq,
+            "chunk": k,
             "dir": self._staging_dir,
-            "name": name,
-            "pages": [[k.hex(), b] for k, b in pages.items()],
-            "tails": tails,
+            "name": st.name,
+            "pages": [[key.hex(), b] for key, b in mutable.items()]
+            + [[p.key.hex(), p.block_id] for p in first if p.lookup is not None],
+            "tails": [p.key.hex() for p in first if p.lookup is None],
+            "generators": not prefix_only,
         }
 
     @_hook(_nothing)
@@ -752,42 +889,90 @@ class GpuckptConnector(KVConnectorBase_V1):
         if not isinstance(wm, GpuckptWorkerMeta) or not wm.done:
             return
         with self._lock:
-            for seq, parts in wm.done.items():
-                item = self._captures.get(seq)
-                if item is None:
-                    continue
-                waiters, info, got = item
-                got.update(parts)
-                errors = {r: d["error"] for r, d in got.items() if d.get("error")}
-                if not errors and len(got) < self._tp:
-                    continue  # wait for every rank's shard
-                del self._captures[seq]
-                if errors:
-                    why = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
-                    self._answer(waiters, {"ok": False, "error": f"capture {seq} failed: {why}"})
-                    for d in got.values():  # the other ranks' page files are of no use now
+            for job, parts in wm.done.items():
+                seq_s, _, chunk_s = job.partition(".")
+                seq, chunk = int(seq_s), int(chunk_s or 0)
+                st = self._stream
+                if st is None or st.seq != seq:
+                    # an ended stream's late chunk (cancelled, failed, abandoned): nobody will read it
+                    for d in parts.values():
                         if d.get("index"):
                             staging.unlink_pair(d["index"])
                     continue
-                ranks = [dict(got[r]) for r in sorted(got)]
-                gens = ranks[0].pop("generators", None) or {}  # every rank samples alike: rank 0's
-                for d in ranks[1:]:
-                    d.pop("generators", None)
-                ledger = info["ledger"]
-                for e in ledger["data"]["requests"]:
-                    g = gens.get(e["request_id"])
-                    if g is not None:
-                        e["generator_state"] = g
-                reply: dict[str, Any] = {
-                    "ok": True,
-                    **info,
-                    "shards": ranks,
-                    # rank 0's figures at the top level (one-rank callers read these)
-                    **{k: ranks[0][k] for k in ("index", "write_s", "pages_written") if k in ranks[0]},
-                    "copy_s": max(d.get("copy_s", 0.0) for d in ranks),
-                    "bytes": sum(int(d.get("bytes", 0)) for d in ranks),
-                }
-                self._answer(waiters, reply)
+                for rank, rec in parts.items():
+                    if not st.report(chunk, int(rank), rec, self._tp):
+                        continue
+                    if st.error is not None:
+                        self._end_stream(st, st.error)
+                        break
+                    if chunk == 0:
+                        part = st.hand_out(0)
+                        assert part is not None
+                        if not st.waiters:  # every caller gave up waiting: nobody reads the stream
+                            self._end_stream(st, "the capture call timed out before its consistent point")
+                            break
+                        self._answer(st.waiters, self._first_reply(st, part))
+                        st.waiters = []
+                    self._cond.notify_all()
+
+    def _first_reply(self, st: Stream, part: dict[str, Any]) -> dict[str, Any]:
+        """The capture call's answer: the consistent point's facts and chunk 0 (lock held)."""
+        ranks = part["shards"]
+        gens = ranks[0].pop("generators", None) or {}  # every rank samples alike: rank 0's
+        for d in ranks[1:]:
+            d.pop("generators", None)
+        info = dict(st.info)
+        ledger = info.get("ledger")
+        if ledger is not None:
+            for e in ledger["data"]["requests"]:
+                g = gens.get(e["request_id"])
+                if g is not None:
+                    e["generator_state"] = g
+        return {
+            "ok": True,
+            **info,
+            **part,
+            # rank 0's figures at the top level (one-rank callers read these)
+            **{k: ranks[0][k] for k in ("index", "write_s", "pages_written") if k in ranks[0]},
+            "copy_s": max(d.get("copy_s", 0.0) for d in ranks),
+            "bytes": sum(int(d.get("bytes", 0)) for d in ranks),
+            "chunk_pages": st.chunk_pages,
+            "max_staging_bytes": st.max_staging,
+        }
+
+    def _next_reply(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"cmd": "next", "seq", "ack": chunk, "timeout"}``: the agent consumed chunk ``ack``
+        (its files are gone); answer with the next chunk, or ``done`` after the last one."""
+        seq = int(req.get("seq", -1))
+        ack = req.get("ack")
+        deadline = time.monotonic() + float(req.get("timeout", 60))
+        with self._lock:
+            st = self._stream
+            if st is None or st.seq != seq:
+                last = self._last_stream
+                if last.get("seq") == seq and last.get("error") is None:
+                    return {"ok": True, "done": True, **last}
+                why = last.get("error") if last.get("seq") == seq else "no such capture in flight"
+                return {"ok": False, "error": f"capture {seq}: {why}"}
+            if ack is not None:
+                st.ack(int(ack))
+            if st.done:
+                self._end_stream(st, None)
+                return {"ok": True, "done": True, **self._last_stream}
+            st.touched = time.monotonic()
+        self._wake()  # a chunk may be issued now: an idle engine must step
+        with self._cond:
+            while True:
+                if self._stream is not st or st.error is not None:
+                    return {"ok": False, "error": f"capture {seq} failed: {st.error}"}
+                part = st.hand_out()
+                if part is not None:
+                    return {"ok": True, "seq": seq, "done": False, **part}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = "no chunk within the timeout (is the engine stepping?)"
+                    return {"ok": False, "error": f"capture {seq}: {why}"}
+                self._cond.wait(min(left, 1.0))
 
     # -- control channel (runs on the control thread) --
 
@@ -798,7 +983,13 @@ class GpuckptConnector(KVConnectorBase_V1):
         if cmd == "describe":
             return {"ok": True, **self._describe()}
         if cmd in ("capture", "wait"):
-            w = _Waiter(when=_condition(req.get("when")), full=bool(req.get("full", False)))
+            w = _Waiter(
+                when=_condition(req.get("when")),
+                full=bool(req.get("full", False)),
+                prefix_only=bool(req.get("prefix_only", False)),
+                max_staging=int(req["max_staging"]) if req.get("max_staging") else None,
+                copy_per_step=int(req["copy_per_step"]) if req.get("copy_per_step") else None,
+            )
             with self._lock:
                 (self._capture_requests if cmd == "capture" else self._step_waiters).append(w)
             self._wake()
@@ -807,6 +998,8 @@ class GpuckptConnector(KVConnectorBase_V1):
                     for q in (self._capture_requests, self._step_waiters):
                         if w in q:
                             q.remove(w)
+                    if self._stream is not None and w in self._stream.waiters:
+                        self._stream.waiters.remove(w)
                 if cmd == "wait":
                     return {"ok": False, "error": f"the engine did not reach {w.when} in time: {self._progress()}"}
                 failing = ", ".join(f"{k} ({n}×)" for k, n in sorted(self._hook_failures.items()))
@@ -830,6 +1023,14 @@ class GpuckptConnector(KVConnectorBase_V1):
             states, rejected = _check_states(req.get("requests") or {})
             ttl = req.get("ttl")
             with self._lock:
+                gen = req.get("generation")
+                if gen is not None and int(gen) != self._offer_generation:
+                    # a streaming restore's later part, after its offer ended (withdrawn, expired)
+                    if req.get("index"):
+                        staging.unlink_pair(req["index"])
+                    return {"ok": False, "error": f"the offer of generation {gen} has ended", "ended": True}
+                if gen is None:
+                    self._offer_generation += 1  # a new restore's first offer
                 if req.get("index"):
                     self._offer_files.add(str(req["index"]))
                 if keys:
@@ -846,7 +1047,17 @@ class GpuckptConnector(KVConnectorBase_V1):
                     self._offer_expiry = threading.Timer(float(ttl), self._expire_offer)
                     self._offer_expiry.daemon = True
                     self._offer_expiry.start()
-            return {"ok": True, "offered": len(keys), "requests": len(states), "rejected": rejected}
+            return {
+                "ok": True,
+                "offered": len(keys),
+                "requests": len(states),
+                "rejected": rejected,
+                "generation": self._offer_generation,
+            }
+        if cmd == "keys":
+            # {"requests": [{"token_ids", "kv_tokens", "cache_salt"}]}: the page keys of each, in order
+            # (a streaming restore fetches the in-flight requests' pages first)
+            return {"ok": True, "keys": [self._request_keys(r) for r in req.get("requests") or []]}
         if cmd == "hold":
             with self._lock:
                 self._hold = int(req.get("requests", 0))
@@ -871,7 +1082,21 @@ class GpuckptConnector(KVConnectorBase_V1):
                 self._durable.difference_update(remove)
                 n = len(self._durable)
             return {"ok": True, "durable": n}
+        if cmd == "next":
+            return self._next_reply(req)
+        if cmd == "cancel":
+            # {"seq"}: the agent gives up on a capture (its save failed): stop copying, delete its chunks
+            with self._lock:
+                st = self._stream
+                if st is not None and st.seq == int(req.get("seq", -1)):
+                    self._end_stream(st, "cancelled by the agent")
+                    return {"ok": True, "cancelled": True}
+            return {"ok": True, "cancelled": False}
         if cmd == "sweep":
+            # the agent (re)starts: a capture stream of its predecessor has no reader
+            with self._lock:
+                if self._stream is not None:
+                    self._end_stream(self._stream, "the agent restarted (sweep)")
             return {"ok": True, "removed": self._sweep()}
         if cmd == "stats":
             with self._lock:
@@ -887,6 +1112,8 @@ class GpuckptConnector(KVConnectorBase_V1):
                     "states_applied": {k: list(v) for k, v in self._states_applied.items()},
                     "hook_failures": dict(self._hook_failures),
                     "captures_pending": len(self._capture_requests),
+                    "stream": None if self._stream is None else {"seq": self._stream.seq, **self._stream.summary()},
+                    "last_stream": dict(self._last_stream),
                     "offer_files": sorted(self._offer_files),
                     "files_to_delete": len(self._retired),
                     "durable": len(self._durable),
@@ -1110,7 +1337,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         if isinstance(meta, GpuckptMeta):
             self._sent.update(rid for _, _, rid in meta.tails)  # the blocks must be freed all the same
             if meta.capture is not None:
-                self._finish_capture(meta.capture["seq"], {"error": "the worker's copy failed (see its log)"})
+                self._finish_capture(meta.capture, {"error": "the worker's copy failed (see its log)"})
 
     @_hook(_fail_capture)
     def wait_for_save(self) -> None:
@@ -1130,7 +1357,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         cap = meta.capture
         if self._disabled:
             why = f"the connector is disabled on rank {self._rank}: {self._disabled}"
-            self._finish_capture(cap["seq"], {"error": why})
+            self._finish_capture(cap, {"error": why})
             return
         t0 = time.monotonic()
         try:
@@ -1147,20 +1374,20 @@ class GpuckptConnector(KVConnectorBase_V1):
             ]
             # Seeded requests' sampler state, before this step's sample (matches the ledger's outputs).
             gens = {}
-            if self._runner is not None:
+            if self._runner is not None and cap.get("generators", True):
                 for rid, st in list(self._runner.requests.items()):
                     g = getattr(st, "generator", None)
                     if g is not None:
                         gens[rid] = base64.b64encode(g.get_state().numpy().tobytes()).decode()
         except Exception as exc:
             log.exception("gpuckpt: capture %s failed", cap["seq"])
-            self._finish_capture(cap["seq"], {"error": f"{type(exc).__name__}: {exc}"})
+            self._finish_capture(cap, {"error": f"{type(exc).__name__}: {exc}"})
             return
         pause = time.monotonic() - t0
         threading.Thread(
             target=self._write_capture,
             args=(cap, gathered, tails, gens, pause),
-            name=f"gpuckpt-capture-{cap['seq']}",
+            name=f"gpuckpt-capture-{cap['seq']}.{cap.get('chunk', 0)}",
             daemon=True,
         ).start()
 
@@ -1180,7 +1407,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             assert self._heads is not None
             w = staging.PageWriter(
                 cap["dir"],
-                f"{cap['name']}-r{self._rank}",
+                f"{cap['name']}-c{cap.get('chunk', 0)}-r{self._rank}",
                 dtype=self._dtype(),
                 page_shape=self._page_shape(),
                 layers=[n for n, _ in self._kv],
@@ -1208,11 +1435,11 @@ class GpuckptConnector(KVConnectorBase_V1):
                 w.abort()
             log.exception("gpuckpt: writing capture %s failed", cap["seq"])
             res = {"error": f"{type(exc).__name__}: {exc}"}
-        self._finish_capture(cap["seq"], res)
+        self._finish_capture(cap, res)
 
-    def _finish_capture(self, seq: int, result: dict[str, Any]) -> None:
+    def _finish_capture(self, cap: dict[str, Any], result: dict[str, Any]) -> None:
         with self._done_lock:
-            self._done.setdefault(seq, {})[self._rank] = result
+            self._done.setdefault(f"{cap['seq']}.{cap.get('chunk', 0)}", {})[self._rank] = result
 
     def _sent_anyway(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, self._sent = self._sent, set()

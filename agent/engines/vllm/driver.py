@@ -35,6 +35,7 @@ from typing import Any
 from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
 from agent.engines.vllm import canary as canary_mod
 from agent.engines.vllm import control, shards, staging
+from agent.engines.vllm.capture import save_queue_bound
 from agent.engines.vllm.ledger import read as read_ledger
 from agent.engines.vllm.ledger import resubmissions
 from ckpt import (
@@ -63,85 +64,184 @@ def describe(sock: Socket) -> WorkerDescription:
     return WorkerDescription(WorkerFacts.model_validate(r["facts"]), r["layout"], r["namespace"])
 
 
-def capture(sock: Socket, timeout: float = 60.0, when: dict[str, int] | None = None, *, full: bool = False) -> Capture:
-    """Ask the connector for a snapshot at the next step boundary.
+class _Chunk:
+    """One chunk of a capture stream: every rank's page file of the same pages, opened and checked."""
 
-    A tensor-parallel worker answers with one page file per rank; their
-    pages are joined here into stored pages holding every KV head
-    (:mod:`agent.engines.vllm.shards`), so a checkpoint restores into any TP
-    size. A capture whose ranks' parts do not cover every head is refused
-    (:class:`~agent.engines.vllm.shards.ShardError`, naming the rank) and its
-    page files are deleted. ``close`` deletes every page file. With ``when``
-    (``{"live": n, "min_outputs": k}``) the capture is taken at the first step
-    boundary where n unfinished requests have k outputs each. The capture is
-    incremental: pages whose keys the connector holds for durable (acknowledged
-    after a commit, or offered by a restore) are not copied and come as
-    :class:`ckpt.Existing` blocks; ``full`` copies every page.
-    """
-    t0 = time.monotonic()
-    r = control.call(sock, "capture", io_timeout=timeout + 5, timeout=timeout, when=when, full=full)
-    shard_recs = r.get("shards") or [{"rank": 0, "index": r["index"]}]
-    files: list[staging.PageFile] = []
+    def __init__(self, reply: dict[str, Any], tp: int) -> None:
+        self.number = int(reply.get("chunk", 0))
+        self.recs = reply.get("shards") or [{"rank": 0, "index": reply["index"]}]
+        self.files: list[staging.PageFile] = []
+        try:
+            for rec in self.recs:
+                self.files.append(staging.PageFile(rec["index"]))
+            first = self.files[0].index
+            self.shard_shape = tuple(first.page_shape)
+            self.head_axis = int(self.recs[0].get("head_axis", 0))
+            self.total = int(self.recs[0].get("total_kv_heads", self.shard_shape[1 + self.head_axis]))
+            for rec in self.recs:
+                rec.setdefault("kv_heads", [0, self.shard_shape[1 + self.head_axis]])
+            shards.check_cover(self.recs, self.total, tp)
+            for rec, pf in zip(self.recs, self.files, strict=True):
+                same = pf.index.keys == first.keys and tuple(pf.index.page_shape) == self.shard_shape
+                if not same or pf.index.dtype != first.dtype:
+                    raise shards.ShardError(
+                        f"rank {rec['rank']}'s page file does not match rank 0's (keys, shape, dtype)"
+                    )
+            self.index = first
+            self.shape = shards.full_shape(self.shard_shape, self.head_axis, self.total)
+        except BaseException:
+            self.close()
+            raise
 
-    def close() -> None:
-        for pf in files:
+    def blocks(self) -> Iterator[Block]:
+        joined = shards.join(
+            [(v for _, v in pf.items()) for pf in self.files],
+            self.recs,
+            dtype=self.index.dtype,
+            shard_shape=self.shard_shape,
+            head_axis=self.head_axis,
+            total=self.total,
+        )
+        for key, view in zip(self.index.keys, joined, strict=True):
+            yield Block(key, view, self.index.dtype, self.shape)
+
+    def close(self) -> None:
+        """Unmap and delete this chunk's page files (a mapping a queued block still reads stays until
+        that block is released: the save's own budget bounds those)."""
+        for pf in self.files:
             pf.close()
-        for rec in shard_recs:
+        for rec in self.recs:
             if rec.get("index"):
                 staging.unlink_pair(rec["index"])
 
+
+def capture(
+    sock: Socket,
+    timeout: float = 60.0,
+    when: dict[str, int] | None = None,
+    *,
+    full: bool = False,
+    prefix_only: bool = False,
+    max_staging: int | None = None,
+    copy_per_step: int | None = None,
+) -> Capture:
+    """Ask the connector for a snapshot at the next step boundary.
+
+    The connector copies at that boundary what may change after it and the
+    first share of the cached full blocks; the rest streams in chunks over
+    the next steps, at most ``copy_per_step`` bytes a step, with at most
+    ``max_staging`` bytes staged at once (the connector's settings when
+    unset). Iterating ``pages`` reads each chunk, deletes it and asks for the
+    next: a consumer that is slow to store pages holds the copying up
+    (backpressure), never the staging bound. A full block evicted before its
+    turn is left out (counted in ``stats["lost_pages"]``): whoever needs it
+    recomputes it.
+
+    A tensor-parallel worker answers with one page file per rank and chunk;
+    their pages are joined here into stored pages holding every KV head
+    (:mod:`agent.engines.vllm.shards`), so a checkpoint restores into any TP
+    size. A chunk whose ranks' parts do not cover every head is refused
+    (:class:`~agent.engines.vllm.shards.ShardError`, naming the rank). ``close``
+    deletes every page file and cancels a stream not read to its end. With
+    ``when`` (``{"live": n, "min_outputs": k}``) the capture is taken at the
+    first step boundary where n unfinished requests have k outputs each. The
+    capture is incremental: pages whose keys the connector holds for durable
+    (acknowledged after a commit, or offered by a restore) are not copied and
+    come as :class:`ckpt.Existing` blocks; ``full`` copies every page.
+    ``prefix_only`` (a pre-copy) copies the cached full blocks that are not
+    durable and records no ledger.
+    """
+    t0 = time.monotonic()
+    r = control.call(
+        sock,
+        "capture",
+        io_timeout=timeout + 5,
+        timeout=timeout,
+        when=when,
+        full=full,
+        prefix_only=prefix_only,
+        max_staging=max_staging,
+        copy_per_step=copy_per_step,
+    )
+    seq = int(r["seq"])
+    tp = int(r.get("tensor_parallel_size", len(r.get("shards") or [1])))
+    state: dict[str, Any] = {"chunk": None, "done": False}  # done: the connector closed the stream
+
+    def cancel() -> None:
+        if not state["done"]:
+            state["done"] = True
+            try:
+                control.call(sock, "cancel", seq=seq)
+            except (OSError, control.ControlError) as exc:  # the connector abandons it after its idle timeout
+                log.warning("could not cancel capture stream", extra={"seq": seq, "error": str(exc)})
+
+    def close() -> None:
+        ch = state["chunk"]
+        state["chunk"] = None
+        if ch is not None:
+            ch.close()
+        cancel()
+
     try:
-        for rec in shard_recs:
-            files.append(staging.PageFile(rec["index"]))
-        first = files[0].index
-        shard_shape = tuple(first.page_shape)
-        head_axis = int(shard_recs[0].get("head_axis", 0))
-        total = int(shard_recs[0].get("total_kv_heads", shard_shape[1 + head_axis]))
-        for rec in shard_recs:
-            rec.setdefault("kv_heads", [0, shard_shape[1 + head_axis]])
-        tp = int(r.get("tensor_parallel_size", len(shard_recs)))
-        shards.check_cover(shard_recs, total, tp)
-        for rec, pf in zip(shard_recs, files, strict=True):
-            same = pf.index.keys == first.keys and tuple(pf.index.page_shape) == shard_shape
-            if not same or pf.index.dtype != first.dtype:
-                raise shards.ShardError(f"rank {rec['rank']}'s page file does not match rank 0's (keys, shape, dtype)")
-        shape = shards.full_shape(shard_shape, head_axis, total)
+        first = state["chunk"] = _Chunk(r, tp)
     except BaseException:
-        close()
+        cancel()
         raise
-
     skipped = [bytes.fromhex(k) for k in r.get("skipped") or []]
-
-    def pages() -> Iterator[Block | Existing]:
-        joined = shards.join(
-            [(v for _, v in pf.items()) for pf in files],
-            shard_recs,
-            dtype=first.dtype,
-            shard_shape=shard_shape,
-            head_axis=head_axis,
-            total=total,
-        )
-        for key, view in zip(first.keys, joined, strict=True):
-            yield Block(key, view, first.dtype, shape)
-        for key in skipped:  # durable: the repository holds them (or the save says it does not)
-            yield Existing(key, first.dtype, tuple(shape))
-
+    lost = [bytes.fromhex(k) for k in r.get("lost") or []]
     keys = ("step", "pages", "prefix_pages", "tail_pages", "requests", "plan_s", "wait_s", "copy_s", "bytes")
-    stats = {k: r[k] for k in keys}
+    stats = {k: r[k] for k in keys if k in r}
     stats["write_s"] = r.get("write_s", 0.0)  # the worker's page-file write, off the engine's step
-    stats["capture_s"] = time.monotonic() - t0
-    stats["page_shape"] = list(shape)
-    stats["page_dtype"] = first.dtype
-    stats["layers"] = list(first.layers)
+    stats["capture_s"] = time.monotonic() - t0  # to the consistent point's chunk
+    stats["page_shape"] = list(first.shape)
+    stats["page_dtype"] = first.index.dtype
+    stats["layers"] = list(first.index.layers)
     stats["inexact_requests"] = r.get("inexact_requests", 0)
     stats["skipped_pages"] = len(skipped)
+    stats["chunk_pages"] = r.get("chunk_pages")
+    stats["max_staging_bytes"] = r.get("max_staging_bytes")
     stats["shards"] = [
         {k: rec[k] for k in ("rank", "device", "kv_heads", "pages_written", "bytes", "copy_s") if k in rec}
-        for rec in shard_recs
+        for rec in first.recs
     ]
-    stats["head_axis"] = head_axis
+    stats["head_axis"] = first.head_axis
     stats["tensor_parallel_size"] = tp
-    return Capture(pages(), Ledger.model_validate(r["ledger"]), stats, close)
+
+    def pages() -> Iterator[Block | Existing]:
+        ch: _Chunk | None = first
+        last = bool(r.get("last", True))
+        copied = copied_bytes = 0
+        while ch is not None:
+            if tuple(ch.shape) != tuple(first.shape) or ch.index.dtype != first.index.dtype:
+                raise shards.ShardError(f"chunk {ch.number}'s pages {ch.shape} differ from chunk 0's {first.shape}")
+            for b in ch.blocks():
+                copied += 1
+                copied_bytes += b.nbytes
+                yield b
+            number = ch.number
+            state["chunk"] = None
+            ch.close()
+            reply = control.call(sock, "next", io_timeout=timeout + 5, seq=seq, ack=number, timeout=timeout)
+            lost.extend(bytes.fromhex(k) for k in reply.get("lost") or [])
+            if reply.get("done"):
+                state["done"] = True
+                for k in ("chunks", "lost_pages", "staged_peak_bytes", "max_chunk_copy_s"):
+                    if k in reply:
+                        stats[k] = reply[k]
+                break
+            if last:
+                raise control.ControlError(f"capture {seq}: a chunk after the last one")
+            ch = state["chunk"] = _Chunk(reply, tp)
+            last = bool(reply.get("last"))
+        stats["pages"] = copied  # copied and stored; planned pages that were evicted first are lost
+        stats["bytes"] = copied_bytes
+        stats["lost_pages"] = len(lost)
+        stats["stream_s"] = time.monotonic() - t0
+        for key in skipped:  # durable: the repository holds them (or the save says it does not)
+            yield Existing(key, first.index.dtype, tuple(first.shape))
+
+    ledger = Ledger.model_validate(r["ledger"]) if r.get("ledger") is not None else None
+    return Capture(pages(), ledger, stats, close)
 
 
 #: how long a restore's blocks stay offered (for conversations whose next turn comes later)
@@ -163,6 +263,8 @@ def checkpoint(
     canary: dict[str, Any] | None = None,
     when: dict[str, int] | None = None,
     cancel: threading.Event | None = None,
+    max_staging: int | None = None,
+    copy_per_step: int | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
 
@@ -176,6 +278,11 @@ def checkpoint(
     worker, reused instead of probing again (the agent records it once: a
     probe costs engine steps, which a final checkpoint cannot spare).
     ``cancel`` abandons the save when set (nothing becomes visible).
+    ``max_staging`` bounds the host memory the capture's pages take at once
+    (page files staged by the worker plus pages of read ones still queued
+    in the save), ``copy_per_step`` the bytes the worker copies per step
+    after the consistent point (see :func:`capture`); the connector's
+    settings when unset.
     """
     if deadline is not None:
         timeout = max(0.1, min(timeout, deadline - time.monotonic()))
@@ -184,7 +291,7 @@ def checkpoint(
     if canary is None and generate is not None:
         canary = canary_mod.record(generate)
     canary_s = time.monotonic() - t_canary
-    cap = capture(sock, timeout, when)
+    cap = capture(sock, timeout, when, max_staging=max_staging, copy_per_step=copy_per_step)
     if on_captured is not None:
         on_captured(dict(cap.stats))
     recaptured = 0
@@ -200,8 +307,13 @@ def checkpoint(
                 # which rank held which heads when the checkpoint was taken
                 "shards": cap.stats["shards"],
             }
+            bound = cap.stats.get("max_staging_bytes")
+            opts = repo.default_save_options()
+            if bound:  # pages of read chunks wait in the save's queue: half the staging bound
+                opts = dataclasses.replace(opts, max_queued_raw=save_queue_bound(int(bound)))
             m = repo.save(
                 cap.pages,
+                options=opts,
                 worker_id=worker_id,
                 namespace=desc.namespace,
                 pins=Pins(host=host_facts(), worker=desc.facts),
@@ -226,7 +338,7 @@ def checkpoint(
         finally:
             cap.close()
         remaining = timeout if deadline is None else max(0.1, min(timeout, deadline - time.monotonic()))
-        cap = capture(sock, remaining, None)
+        cap = capture(sock, remaining, None, max_staging=max_staging, copy_per_step=copy_per_step)
     # The repository holds every key of the checkpoint now: the next capture need not copy them.
     try:
         control.call(sock, "durable", add=sorted({b.key for b in m.blocks}))
@@ -235,6 +347,53 @@ def checkpoint(
     _LAST_STATS.clear()
     _LAST_STATS.update(timings)
     return m
+
+
+def precopy(
+    sock: Socket,
+    repo: Repository,
+    *,
+    timeout: float = 60.0,
+    copy_per_step: int | None = None,
+    max_staging: int | None = None,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Store the worker's cached full blocks the repository does not hold yet, between checkpoints.
+
+    Full blocks do not change while cached, so they can be stored ahead of
+    the checkpoint that names them: the worker copies them a bounded
+    ``copy_per_step`` bytes per step (serving goes on), the repository stores
+    them without a manifest (:meth:`ckpt.Repository.store_blocks`) and the
+    connector then holds them for durable, so the next checkpoint copies only
+    what changed since. A checkpoint's capture supersedes a pre-copy in
+    flight (the pre-copy then fails and stores nothing more). Returns counts.
+    """
+    t0 = time.monotonic()
+    desc = describe(sock)
+    cap = capture(sock, timeout, None, prefix_only=True, copy_per_step=copy_per_step, max_staging=max_staging)
+    keys: list[bytes] = []
+
+    def pages() -> Iterator[Block | Existing]:
+        for b in cap.pages:
+            keys.append(b.key)
+            yield b
+
+    try:
+        bound = cap.stats.get("max_staging_bytes")
+        opts = repo.default_save_options()
+        if bound:
+            opts = dataclasses.replace(opts, max_queued_raw=save_queue_bound(int(bound)))
+        out = repo.store_blocks(pages(), namespace=desc.namespace, deadline=deadline, cancel=cancel, options=opts)
+    finally:
+        cap.close()
+    if keys:
+        control.call(sock, "durable", add=sorted(k.hex() for k in keys))
+    return {
+        **out,
+        **{k: cap.stats.get(k) for k in ("lost_pages", "chunks", "staged_peak_bytes")},
+        "total_s": time.monotonic() - t0,
+    }
 
 
 #: Stats of the last :func:`checkpoint` in this process (pause, copy, save times).
@@ -304,6 +463,136 @@ def _offer_states(sock: Socket, states: dict[str, dict[str, Any]], problems: dic
     return int(reply.get("requests", 0))
 
 
+#: pages per restore page file of the rest of a streaming restore (each offered once verified)
+RESTORE_CHUNK_BYTES = 64 << 20
+
+
+def default_restore_staging(directory: Path) -> int:
+    """The default bound on a restore's staging: half of what the staging filesystem has free."""
+    try:
+        st = os.statvfs(directory if directory.exists() else directory.parent)
+        return max(RESTORE_CHUNK_BYTES, st.f_bavail * st.f_frsize // 2)
+    except OSError:
+        return 4 << 30
+
+
+def _first_keys(sock: Socket, m: Manifest) -> list[bytes]:
+    """The checkpoint's pages the resubmitted requests and the canary probe read first, in order:
+    keys computed by the new worker's engine from their tokens (:meth:`keys` on the connector)."""
+    if m.ledger is None and m.canary is None:
+        return []
+    reqs = []
+    for e in read_ledger(m.ledger) if m.ledger is not None else []:
+        toks = list(e["prompt_token_ids"]) + list(e["output_token_ids"])
+        if e.get("lora"):
+            continue  # its block hashes name the adapter's path, which the ledger does not carry
+        reqs.append({"token_ids": toks, "kv_tokens": int(e["num_computed_tokens"]), "cache_salt": e["cache_salt"]})
+    if m.canary is not None:
+        toks = list(m.canary.get("prompt_token_ids", [])) + list(m.canary.get("expected", []))
+        reqs.append({"token_ids": toks, "kv_tokens": max(0, len(toks) - 1), "cache_salt": None})
+    try:
+        got = control.call(sock, "keys", requests=reqs).get("keys") or []
+    except control.ControlError as exc:  # an older connector: no order, the whole checkpoint at once
+        log.warning("the worker cannot name the in-flight pages", extra={"error": str(exc)})
+        return []
+    have = {r.key for r in m.blocks}
+    out: dict[bytes, None] = {}
+    for keys in got:
+        for k in keys:
+            if k in have:
+                out[bytes.fromhex(k)] = None
+    return list(out)
+
+
+def _write_pages(
+    repo: Repository, m: Manifest, keys: list[bytes] | None, out: Path, name: str, errors: list[BlockFailure]
+) -> tuple[staging.PageWriter, int]:
+    """Load and verify ``keys`` (None: every block) into page file ``name``; returns it committed."""
+    w = staging.PageWriter(
+        out,
+        name,
+        dtype=m.layout["page_dtype"],
+        page_shape=m.layout["page_shape"],
+        layers=m.layout["page_layers"],
+    )
+    try:
+        for lb in repo.load(m, keys=keys, errors=errors):
+            w.write(lb.key, lb.data)
+        idx = w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return w, len(idx.keys)
+
+
+class _RestoreRest:
+    """The rest of a streaming restore: page files of verified blocks offered one by one, behind the
+    in-flight requests' part, until every block is offered or the staging bound is reached. Stops
+    when the offer ends (withdrawn, expired: the connector refuses a later part by its generation)."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        m: Manifest,
+        sock: Socket,
+        keys: list[bytes],
+        out: Path,
+        generation: int,
+        budget: int,
+    ) -> None:
+        self.offered = 0
+        self.stats: dict[str, Any] = {"blocks": 0, "failed_blocks": 0, "failures": [], "parts": 0, "not_offered": 0}
+        self._args = (repo, m, sock, keys, out, generation, budget)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpuckpt-restore-rest", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def _run(self) -> None:
+        repo, m, sock, keys, out, generation, budget = self._args
+        t0 = time.monotonic()
+        page = max(1, m.blocks[0].raw_length if m.blocks else 1)
+        per_part = max(1, RESTORE_CHUNK_BYTES // page)
+        try:
+            allowed = max(0, budget // page)
+            if allowed < len(keys):
+                self.stats["not_offered"] = len(keys) - allowed
+                log.warning(
+                    "restore staging bound reached: the rest of the checkpoint is not offered",
+                    extra={"checkpoint": m.id, "not_offered": len(keys) - allowed, "bound": budget},
+                )
+                keys = keys[:allowed]
+            for i in range(0, len(keys), per_part):
+                errors: list[BlockFailure] = []
+                w, n = _write_pages(repo, m, keys[i : i + per_part], out, f"restore-{m.id}-{1 + i // per_part}", errors)
+                self.stats["failed_blocks"] += len(errors)
+                self.stats["failures"] += [f"{f.key.hex()[:16]}: {f.error}" for f in errors][:10]
+                if not n:
+                    staging.unlink_pair(w.index_path)
+                    continue
+                try:
+                    reply = control.call(sock, "offer", index=str(w.index_path), generation=generation)
+                except control.ControlError as exc:
+                    # the offer ended (the connector deleted the file) or the worker refused it
+                    staging.unlink_pair(w.index_path)
+                    self.stats["ended"] = str(exc)
+                    return
+                except BaseException:
+                    staging.unlink_pair(w.index_path)
+                    raise
+                self.offered += int(reply.get("offered", 0))
+                self.stats["blocks"] += n
+                self.stats["parts"] += 1
+        except Exception as exc:  # never harms the worker: what was offered stays, the rest recomputes
+            log.exception("streaming the rest of a restore failed", extra={"checkpoint": m.id})
+            self.stats["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.stats["rest_s"] = time.monotonic() - t0
+            self._done.set()
+
+
 def restore(
     repo: Repository,
     ref: str,
@@ -314,14 +603,27 @@ def restore(
     generate: canary_mod.Generate | None = None,
     require_canary: bool = True,
     offer_ttl: float | None = DEFAULT_OFFER_TTL,
+    max_staging: int | None = None,
+    wait: bool = False,
 ) -> RestorePlan:
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
 
-    The verified pages go to a page file in ``staging_dir`` that the
-    connector owns once offered: it deletes the file when the offer ends —
-    :func:`withdraw`, or ``offer_ttl`` seconds after the offer (returning
-    conversations find their prefix warm until then) — and it is deleted
-    here on any failure before that.
+    Streaming, in-flight first: the pages the resubmitted requests (and the
+    canary probe) read — keys the new worker computes from their tokens —
+    are fetched, verified and offered first; the plan is returned then, so
+    the requests resume before the rest of the prefix cache has arrived.
+    The rest follows in page files of verified blocks offered as each is
+    written (``plan.rest``; ``plan.wait_offered()`` waits for it; ``wait``
+    does so before returning), up to ``max_staging`` bytes of staging in all
+    (default: half the staging filesystem's free space); blocks past it are
+    not offered and recompute when asked for. A block that fails
+    verification is never offered: whoever needs it recomputes it.
+
+    The page files go to ``staging_dir``; the connector owns each once
+    offered and deletes them when the offer ends — :func:`withdraw`, or
+    ``offer_ttl`` seconds after the first part (returning conversations find
+    their prefix warm until then) — and they are deleted here on any failure
+    before that.
 
     A warm restore is never handed back on an unchecked cache: unless
     ``require_canary`` is false, a checkpoint without a recorded canary, or
@@ -333,8 +635,9 @@ def restore(
     continue from the exact next token (a ledger that judged it so, a seeded
     request on a cold plan, a state the worker rejected) is a cold replay of
     that request, and says why. With ``generate`` (greedy, on the new
-    worker) and a canary in the manifest, the probe runs after the offer;
-    on a mismatch the offer is withdrawn and the plan is cold.
+    worker) and a canary in the manifest, the probe runs after the first
+    part's offer, on the probe's own restored pages; on a mismatch the offer
+    is withdrawn (the rest is then refused) and the plan is cold.
     """
     t0 = time.monotonic()
     m = repo.manifest(ref)
@@ -360,28 +663,24 @@ def restore(
         return cold(reasons, {})
     states, problems = _request_states(m, warm=True)
     out = Path(staging_dir) if staging_dir else staging.default_dir(f"{RESTORE_TAG}{os.getpid()}")
+    budget = max_staging if max_staging is not None else default_restore_staging(out)
+    first = _first_keys(sock, m)
+    page = max(1, m.blocks[0].raw_length if m.blocks else 1)
+    if len(first) * page > budget:
+        first = first[: budget // page]
+    rest = [] if not first else [k for k in (bytes.fromhex(r.key) for r in m.blocks) if k not in set(first)]
     errors: list[BlockFailure] = []
-    w = staging.PageWriter(
-        out,
-        f"restore-{m.id}",
-        dtype=m.layout["page_dtype"],
-        page_shape=m.layout["page_shape"],
-        layers=m.layout["page_layers"],
-    )
-    try:
-        for lb in repo.load(m, errors=errors):
-            w.write(lb.key, lb.data)
-        idx = w.commit()
-    except BaseException:
-        w.abort()
-        raise
+    # without an order (no in-flight request, an older worker) the whole checkpoint is one part
+    w, n = _write_pages(repo, m, first or None, out, f"restore-{m.id}-0", errors)
     stats: dict[str, Any] = {
-        "blocks": len(idx.keys),
+        "blocks": n,
+        "first_blocks": n,
         "failed_blocks": len(errors),
         "failures": [f"{f.key.hex()[:16]}: {f.error}" for f in errors],
         "generators": sum(1 for st in states.values() if st.get("generator_state")),
+        "first_s": time.monotonic() - t0,
     }
-    if errors and not idx.keys:
+    if errors and not n and not rest:
         staging.unlink_pair(w.index_path)
         none_ok = f"no block of checkpoint {m.id} could be verified ({len(errors)} failed; first: {errors[0].error})"
         return cold([none_ok], stats)
@@ -413,7 +712,14 @@ def restore(
             stats["withdrawn"] = offered
             return cold([str(why)], stats)
     stats["plan_s"] = time.monotonic() - t0
-    return RestorePlan(True, [], _annotate(requests, problems), blocks_offered=offered, stats=stats)
+    tail = None
+    if rest:
+        generation = int(reply.get("generation", 0))
+        tail = _RestoreRest(repo, m, sock, rest, out, generation, budget - n * page)
+    plan = RestorePlan(True, [], _annotate(requests, problems), blocks_offered=offered, stats=stats, rest=tail)
+    if wait:
+        plan.wait_offered()
+    return plan
 
 
 def withdraw(sock: Socket) -> int:

@@ -1,0 +1,212 @@
+"""Capture streams: one consistent point, then the immutable pages over the next steps.
+
+The scheduler half's bookkeeping for one capture (no vLLM or torch import,
+so it is tested on its own). Why a capture can be spread over steps:
+
+- A *full* block in vLLM's prefix cache never changes while its block hash
+  maps to it: vLLM writes only blocks a request is filling, and a cached
+  block is taken for reuse only after its hash is dropped from the map (at
+  allocation, in the scheduler, before the step's metadata is built). So a
+  full block the map still names at step ``s``'s ``build_connector_meta`` is
+  intact when the worker copies it in step ``s``'s ``wait_for_save`` — the
+  same argument as a one-step capture, made again at every step.
+- What can change is copied at the consistent point (chunk 0): the partial
+  tails of live requests, the stored tails of finished ones, full blocks of
+  live requests the map does not name, the seeded requests' sampler states,
+  and the ledger.
+
+The rest — the full blocks — is copied ``chunk_pages`` at a time, at most
+``max_chunks`` chunks staged at once (the staging bound), oldest-at-risk
+first (free cached blocks before blocks in use). A chunk is staged until the
+agent acknowledges it (it has stored or at least consumed its pages): that
+is the backpressure. A block evicted before its turn is *lost*: the
+checkpoint does without it (the request or conversation that needed it
+recomputes that part; nothing wrong is ever named).
+
+A stream with no word from the agent for ``idle_timeout`` seconds is
+abandoned (a killed agent): its staged chunks are deleted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: default bound on the host memory a capture stages (page files not yet consumed by the agent)
+DEFAULT_MAX_STAGING = 256 << 20
+#: default bytes of full blocks copied per engine step beyond the consistent point
+DEFAULT_COPY_PER_STEP = 16 << 20
+#: chunks staged at once: one the agent reads while the next is written (a ring of two)
+RING = 2
+
+
+@dataclass
+class Pending:
+    """A full block still to copy: its key, block id, and what to look up to see it is still there."""
+
+    key: bytes
+    block_id: int
+    lookup: Any  # the block pool's map key (BlockHashWithGroupId)
+
+
+def chunk_pages(page_bytes: int, *, max_staging: int, copy_per_step: int) -> int:
+    """Pages per chunk: a chunk is at most ``copy_per_step`` bytes, and a ring of
+    :data:`RING` chunks (plus the one being written) takes at most half of ``max_staging``;
+    the other half is for pages of read chunks still queued in the agent's save
+    (:func:`save_queue_bound`)."""
+    page_bytes = max(1, page_bytes)
+    per_step = copy_per_step // page_bytes
+    bounded = max_staging // (2 * (RING + 1) * page_bytes)
+    return max(1, min(per_step, bounded))
+
+
+def save_queue_bound(max_staging: int) -> int:
+    """Raw bytes the agent's save may hold queued from read (deleted, still mapped) chunks."""
+    return max(1, max_staging // 2)
+
+
+@dataclass
+class Stream:
+    """One capture in flight (scheduler half; every method runs under the connector's lock)."""
+
+    seq: int
+    name: str
+    directory: str
+    info: dict[str, Any]  # the consistent point's facts: ledger, counts, timings
+    pending: deque[Pending]
+    chunk_pages: int
+    page_bytes: int  # a stored page (every rank's heads together)
+    max_staging: int
+    prefix_only: bool = False  # a pre-copy: no ledger, superseded by any real capture
+    idle_timeout: float = 300.0
+    waiters: list[Any] = field(default_factory=list)  # capture calls answered with chunk 0
+    issued: int = 0  # chunks handed to the workers
+    acked: set[int] = field(default_factory=set)
+    reports: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # chunk → rank → report
+    complete: deque[int] = field(default_factory=deque)  # chunks every rank wrote, not yet handed out
+    reported: set[int] = field(default_factory=set)  # chunks every rank wrote
+    chunk_pages_of: dict[int, int] = field(default_factory=dict)
+    lost: list[bytes] = field(default_factory=list)
+    lost_reported: int = 0
+    error: str | None = None
+    last_chunk: int | None = None  # set once nothing is pending after a chunk is issued
+    staged_bytes: int = 0
+    peak_staged: int = 0
+    copied_pages: int = 0
+    max_copy_s: float = 0.0
+    touched: float = field(default_factory=time.monotonic)
+
+    # -- the scheduler thread --
+
+    def can_issue(self) -> bool:
+        unacked = self.issued - len(self.acked)
+        return self.error is None and self.last_chunk is None and unacked < RING
+
+    def take(self, still_there: Callable[[Pending], bool]) -> list[Pending]:
+        """The next chunk's pages: up to ``chunk_pages`` pending blocks that are still cached;
+        the others are lost. Marks the stream's last chunk when nothing is left."""
+        out: list[Pending] = []
+        while self.pending and len(out) < self.chunk_pages:
+            p = self.pending.popleft()
+            if still_there(p):
+                out.append(p)
+            else:
+                self.lost.append(p.key)
+        return out
+
+    def issue(self, pages: int) -> int:
+        """Record chunk ``issued`` of ``pages`` pages going to the workers; returns its number."""
+        k = self.issued
+        self.issued += 1
+        self.chunk_pages_of[k] = pages
+        self.staged_bytes += pages * self.page_bytes
+        self.peak_staged = max(self.peak_staged, self.staged_bytes)
+        if not self.pending:
+            self.last_chunk = k
+        return k
+
+    def report(self, chunk: int, rank: int, rec: dict[str, Any], tp: int) -> bool:
+        """A rank's report of a chunk; True when the chunk is complete (every rank) or failed."""
+        got = self.reports.setdefault(chunk, {})
+        got[rank] = rec
+        if rec.get("error"):
+            why = f"chunk {chunk}, rank {rank}: {rec['error']}"
+            self.error = self.error or why
+            return True
+        if len(got) < tp:
+            return False
+        self.reported.add(chunk)
+        self.copied_pages += self.chunk_pages_of.get(chunk, 0)
+        self.max_copy_s = max(self.max_copy_s, max(float(d.get("copy_s", 0.0)) for d in got.values()))
+        self.complete.append(chunk)
+        return True
+
+    @property
+    def done(self) -> bool:
+        return self.last_chunk is not None and self.last_chunk in self.acked
+
+    def needs_steps(self) -> bool:
+        """Whether the engine must keep stepping for this stream: a chunk to issue, or a chunk whose
+        reports are still due (they come back only with a step's worker metadata)."""
+        if self.error is not None:
+            return False
+        return self.can_issue() or len(self.reported) < self.issued
+
+    # -- the control thread --
+
+    def ack(self, chunk: int) -> None:
+        if chunk in self.acked or chunk >= self.issued:
+            return
+        self.acked.add(chunk)
+        self.staged_bytes -= self.chunk_pages_of.get(chunk, 0) * self.page_bytes
+        self.touched = time.monotonic()
+
+    def idle(self, now: float) -> bool:
+        """No word from the agent for ``idle_timeout`` s (a killed agent: nobody reads the chunks)."""
+        return now - self.touched > self.idle_timeout
+
+    def hand_out(self, chunk: int | None = None) -> dict[str, Any] | None:
+        """A complete chunk (``chunk``, or the first to complete) as a reply part, or None."""
+        if chunk is not None:
+            if chunk not in self.complete:
+                return None
+            self.complete.remove(chunk)
+            k = chunk
+        elif self.complete:
+            k = self.complete.popleft()
+        else:
+            return None
+        self.touched = time.monotonic()
+        ranks = [dict(self.reports[k][r]) for r in sorted(self.reports[k])]
+        new_lost = self.lost[self.lost_reported :]
+        self.lost_reported = len(self.lost)
+        return {
+            "chunk": k,
+            "shards": ranks,
+            "last": k == self.last_chunk,
+            "lost": [x.hex() for x in new_lost],
+            "staged_peak_bytes": self.peak_staged,
+        }
+
+    def files(self) -> list[str]:
+        """Every page file this stream's chunks wrote that the agent has not acknowledged."""
+        out = []
+        for k, ranks in self.reports.items():
+            if k in self.acked:
+                continue
+            out += [str(d["index"]) for d in ranks.values() if d.get("index")]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "chunks": self.issued,
+            "copied_pages": self.copied_pages,
+            "lost_pages": len(self.lost),
+            "staged_peak_bytes": self.peak_staged,
+            "max_staging_bytes": self.max_staging,
+            "chunk_pages": self.chunk_pages,
+            "max_chunk_copy_s": self.max_copy_s,
+        }

@@ -1,0 +1,211 @@
+"""Captures and restores at a scale past their staging bound, with ``vllm serve`` workers.
+
+Worker A holds a prefix cache of twelve conversations and two requests
+decoding. A checkpoint with a staging bound of a few pages streams the
+cached blocks in chunks after its consistent point: more than five chunks,
+the staging directory (sampled from outside while it runs) never above the
+bound, no block lost, every conversation's blocks in the checkpoint, and the
+checkpoint loads whole.
+
+Worker B restores it streaming: the in-flight requests' pages (keys the
+new engine computes from their tokens) are offered first and the requests
+resubmitted at once; they continue token-exact with every prompt token but
+one cached. The rest of the prefix cache arrives behind them: a returning
+conversation then finds its history warm.
+
+Worker C restores with the in-flight requests' pages moved to the back of
+the stream (they arrive late): the requests recompute what was not there in
+time and still continue token-exact. No restore page file outlives a
+withdraw.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.engines.vllm import canary, control, driver
+from ckpt import Repository
+from tests.vllm.test_serve import GREEDY, serve_worker
+
+pytestmark = pytest.mark.slow
+TURN = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+
+
+def page_bytes(layout: dict) -> int:
+    item = {"float32": 4, "bfloat16": 2, "float16": 2}[layout["dtype"]]
+    return len(layout["layers"]) * 2 * layout["block_size"] * layout["num_kv_heads"] * layout["head_size"] * item
+
+
+def staged_bytes(d: Path) -> int:
+    total = 0
+    for p in d.glob("capture-*.bin"):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            continue
+    return total
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("vllm-stream")
+    repo = Repository.open(str(tmp / "repo"), create=True)
+    rng = random.Random(23)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    convs = {f"c{i}": toks(200 + 16 * i) for i in range(12)}
+    live = {f"live{i}": toks(150 + 40 * i) for i in range(2)}
+    out: dict = {"convs": convs, "live": live}
+    with serve_worker(tiny_llama, tmp, "a") as a:
+        a.wait_ready()
+        probe = canary.record(a.client.generate)
+        turn1 = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in convs.items()}
+        page = page_bytes(driver.describe(a.control_socket).layout)
+        bound = 18 * page  # chunks of 3 pages: the cache is ~100 pages
+        out["bound"], out["page"] = bound, page
+        results: dict = {}
+        threads = [
+            threading.Thread(
+                target=lambda k=k: results.__setitem__(
+                    k, a.client.complete(live[k], GREEDY, request_id=k, stream=False)
+                )
+            )
+            for k in live
+        ]
+        driver.hold(a.control_socket, len(live), timeout=300)
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:  # the staging directory as an outsider sees it
+            d = tmp / "stage-a"
+            while not done.is_set():
+                peak[0] = max(peak[0], staged_bytes(d))
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+
+        def start() -> None:
+            for t in threads:
+                t.start()
+
+        m = driver.checkpoint_around(
+            a.control_socket,
+            start,
+            repo,
+            "w0",
+            canary=probe,
+            when={"live": len(live), "min_outputs": 40},
+            timeout=240,
+            max_staging=bound,
+        )
+        done.set()
+        sampler.join()
+        out["stats"] = driver.last_checkpoint_stats()
+        out["sampled_peak"] = peak[0]
+        out["checkpoint"] = m
+        errors: list = []
+        out["loaded"] = sum(1 for _ in repo.load(m.id, errors=errors))
+        out["load_errors"] = errors
+        reqs = [{"token_ids": convs[k] + turn1[k], "kv_tokens": len(convs[k]) + len(turn1[k]) - 1} for k in convs]
+        out["conv_keys"] = control.call(a.control_socket, "keys", requests=reqs)["keys"]
+        for t in threads:
+            t.join(300)
+        out["reference"] = {f"cmpl-{k}-0": results[k].token_ids for k in live}  # by the server's request ids
+        nxt = convs["c3"] + turn1["c3"] + toks(8)
+        out["next_prompt"] = nxt
+        out["next_reference"] = a.client.complete(nxt, TURN, stream=False).token_ids
+        out["stage_a_left"] = sorted(p.name for p in (tmp / "stage-a").glob("capture-*"))
+        a.kill()
+
+    def restore_into(name: str, late: bool) -> dict:
+        res: dict = {}
+        with serve_worker(tiny_llama, tmp, name) as w:
+            w.wait_ready()
+            stage = tmp / f"restore-{name}"
+            if late:
+                # the in-flight requests' pages at the back of the stream, after the whole prefix cache
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(driver, "_first_keys", lambda sock, m: _canary_keys(sock, m))
+                    plan = driver.restore(
+                        repo, m.id, w.control_socket, staging_dir=str(stage), generate=w.client.generate
+                    )
+            else:
+                plan = driver.restore(repo, m.id, w.control_socket, staging_dir=str(stage), generate=w.client.generate)
+            res["plan"] = plan
+            res["first_blocks"] = plan.stats["first_blocks"]
+            res["resumed"] = w.client.submit(plan.requests)
+            assert plan.wait_offered(120), "the rest of the restore did not arrive"
+            res["offered_total"] = plan.offered_total
+            res["rest"] = dict(plan.rest.stats) if plan.rest is not None else {}
+            res["next"] = w.client.complete(out["next_prompt"], TURN, stream=False)
+            driver.withdraw(w.control_socket)
+            end = time.monotonic() + 60
+            while list(stage.glob("restore-*")) and time.monotonic() < end:
+                time.sleep(0.05)
+            res["stage_left"] = sorted(p.name for p in stage.glob("restore-*"))
+        return res
+
+    def _canary_keys(sock: str, m) -> list[bytes]:  # type: ignore[no-untyped-def]
+        toks_ = list(m.canary["prompt_token_ids"]) + list(m.canary["expected"])
+        got = control.call(sock, "keys", requests=[{"token_ids": toks_, "kv_tokens": len(toks_) - 1}])["keys"][0]
+        have = {b.key for b in m.blocks}
+        return [bytes.fromhex(k) for k in got if k in have]
+
+    out["b"] = restore_into("b", late=False)
+    out["c"] = restore_into("c", late=True)
+    return out
+
+
+def test_a_capture_past_its_staging_bound_streams_within_it(streamed: dict) -> None:
+    st, bound = streamed["stats"], streamed["bound"]
+    assert st["chunks"] > 5, st
+    assert st["lost_pages"] == 0, st
+    assert 0 < st["staged_peak_bytes"] <= bound, st
+    assert 0 < streamed["sampled_peak"] <= bound, (streamed["sampled_peak"], bound)
+    # the consistent point copied the live requests' partial pages and one chunk, not the cache
+    assert st["pages"] > 10 * st["chunk_pages"], st
+
+
+def test_the_streamed_checkpoint_is_whole(streamed: dict) -> None:
+    m = streamed["checkpoint"]
+    assert streamed["loaded"] == len(m.blocks)
+    assert not streamed["load_errors"]
+    have = {b.key for b in m.blocks}
+    for keys in streamed["conv_keys"]:
+        full = keys[:-1] if len(keys) > 1 else keys  # the last may be a tail key of a turn still decoding
+        assert set(full) <= have, "a conversation's cached blocks are missing from the checkpoint"
+    assert streamed["stage_a_left"] == [], "capture page files left behind"
+
+
+def test_a_streaming_restore_resumes_in_flight_requests_first_token_exact(streamed: dict) -> None:
+    b, m = streamed["b"], streamed["checkpoint"]
+    assert b["plan"].warm, b["plan"].reasons
+    assert 0 < b["first_blocks"] < len(m.blocks) // 2, (b["first_blocks"], len(m.blocks))
+    for r in b["plan"].requests:
+        got = b["resumed"][r.request_id]
+        assert list(r.output_token_ids) + list(got.token_ids) == streamed["reference"][r.request_id]
+        assert got.cached_tokens >= len(r.token_ids) - 32, (r.request_id, got.cached_tokens, len(r.token_ids))
+    assert b["offered_total"] == len(m.blocks), b["rest"]
+    # the rest arrived: a returning conversation's history is warm, and its turn the same
+    assert b["next"].token_ids == streamed["next_reference"]
+    assert b["next"].cached_tokens >= len(streamed["next_prompt"]) - 40, b["next"].cached_tokens
+    assert b["stage_left"] == []
+
+
+def test_late_blocks_are_recomputed_and_continuations_stay_exact(streamed: dict) -> None:
+    c = streamed["c"]
+    assert c["plan"].warm
+    assert c["first_blocks"] < streamed["b"]["first_blocks"], "the in-flight pages were not moved back"
+    for r in c["plan"].requests:
+        got = c["resumed"][r.request_id]
+        assert list(r.output_token_ids) + list(got.token_ids) == streamed["reference"][r.request_id]
+    assert c["next"].token_ids == streamed["next_reference"]
+    assert c["stage_left"] == []
