@@ -35,16 +35,17 @@ def report_all(st: Stream, k: int, tp: int = 1) -> None:
 @pytest.mark.parametrize(
     ("bound", "per_step", "want"),
     [
-        (256 << 20, 16 << 20, (16 << 20) // PAGE),  # the per-step rate decides
-        (60 * PAGE, 16 << 20, 10),  # the bound decides: a ring of 2 + the one being written in half of it
-        (PAGE, 16 << 20, 1),  # never less than a page
+        (256 << 20, 1 << 20, ((1 << 20) // PAGE, 128)),  # the per-step rate decides; a deep ring in half the bound
+        (60 * PAGE, 16 << 20, (15, 2)),  # the bound decides: two chunks in half of it
+        (PAGE, 16 << 20, (1, 1)),  # never less than a page
     ],
 )
-def test_chunks_fit_the_bound(bound: int, per_step: int, want: int) -> None:
-    n = chunk_pages(PAGE, max_staging=bound, copy_per_step=per_step)
-    assert n == want
-    if bound >= 6 * PAGE:
-        assert (RING + 1) * n * PAGE + save_queue_bound(bound) <= bound
+def test_chunks_fit_the_bound(bound: int, per_step: int, want: tuple[int, int]) -> None:
+    pages, ring = chunk_pages(PAGE, max_staging=bound, copy_per_step=per_step)
+    assert (pages, ring) == want
+    if bound >= 4 * PAGE:
+        assert ring >= RING
+        assert ring * pages * PAGE + save_queue_bound(bound) <= bound
 
 
 def test_the_ring_holds_the_copying_until_the_agent_acknowledges() -> None:
@@ -52,8 +53,8 @@ def test_the_ring_holds_the_copying_until_the_agent_acknowledges() -> None:
     issued = []
     while st.can_issue():
         issued.append(st.issue(len(st.take(lambda p: True))))
-    assert issued == list(range(RING)), "at most RING chunks staged before an acknowledgement"
-    assert st.staged_bytes == RING * 4 * PAGE
+    assert issued == list(range(st.ring)), "at most a ring of chunks staged before an acknowledgement"
+    assert st.staged_bytes == st.ring * 4 * PAGE
     for k in issued:
         report_all(st, k)
     part = st.hand_out()
@@ -89,6 +90,19 @@ def test_evicted_blocks_are_lost_and_the_last_chunk_is_marked() -> None:
     assert st.copied_pages == 6
     assert part["last"]
     assert sorted(reported) == sorted(evicted), "every lost key is reported once"
+
+
+def test_the_stream_is_done_only_when_every_chunk_is_acknowledged() -> None:
+    st = stream(8, chunk=4)
+    k0 = st.issue(len(st.take(lambda p: True)))
+    k1 = st.issue(len(st.take(lambda p: True)))
+    assert st.last_chunk == k1
+    report_all(st, k1)  # the last chunk's writer finished first
+    st.ack(k1)
+    assert not st.done, "chunk 0 is still unread"
+    report_all(st, k0)
+    st.ack(k0)
+    assert st.done
 
 
 def test_a_chunk_is_complete_only_when_every_rank_wrote_it() -> None:

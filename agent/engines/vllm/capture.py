@@ -39,8 +39,41 @@ from typing import Any
 DEFAULT_MAX_STAGING = 256 << 20
 #: default bytes of full blocks copied per engine step beyond the consistent point
 DEFAULT_COPY_PER_STEP = 16 << 20
-#: chunks staged at once: one the agent reads while the next is written (a ring of two)
+#: the fewest chunks the staging bound should hold: one the agent reads while the next is written
 RING = 2
+
+
+@dataclass
+class CopyJob:
+    """Scheduler → worker, in one step's metadata: copy these pages after the step's forward.
+
+    Each rank writes its shard of the pages (and of the ``tails`` it keeps in
+    memory) into the page file :meth:`file` names in ``directory`` and
+    reports it under :attr:`job` in its worker metadata. ``generators``: also
+    read the seeded requests' sampler states (the consistent point, chunk 0).
+    """
+
+    seq: int
+    chunk: int
+    directory: str
+    name: str
+    pages: list[tuple[str, int]]  # (key hex, block id)
+    tails: list[str] = field(default_factory=list)  # finished requests' stored tails (key hex)
+    generators: bool = False
+
+    @property
+    def job(self) -> str:
+        """The key of this chunk's reports: ``"<seq>.<chunk>"``."""
+        return f"{self.seq}.{self.chunk}"
+
+    def file(self, rank: int) -> str:
+        return f"{self.name}-c{self.chunk}-r{rank}"
+
+
+def parse_job(job: str) -> tuple[int, int]:
+    """``(seq, chunk)`` of a :attr:`CopyJob.job` key."""
+    seq, _, chunk = job.partition(".")
+    return int(seq), int(chunk or 0)
 
 
 @dataclass
@@ -52,15 +85,18 @@ class Pending:
     lookup: Any  # the block pool's map key (BlockHashWithGroupId)
 
 
-def chunk_pages(page_bytes: int, *, max_staging: int, copy_per_step: int) -> int:
-    """Pages per chunk: a chunk is at most ``copy_per_step`` bytes, and a ring of
-    :data:`RING` chunks (plus the one being written) takes at most half of ``max_staging``;
-    the other half is for pages of read chunks still queued in the agent's save
-    (:func:`save_queue_bound`)."""
+def chunk_pages(page_bytes: int, *, max_staging: int, copy_per_step: int) -> tuple[int, int]:
+    """``(pages per chunk, chunks staged at most)``: a chunk is at most ``copy_per_step`` bytes,
+    and the staged chunks (written, being written or not yet acknowledged) take at most half of
+    ``max_staging`` — at least two of them where the bound allows, so the worker copies one while
+    the agent reads another. The other half is for pages of read chunks still queued in the agent's
+    save (:func:`save_queue_bound`). A deeper ring hides the agent's round trip per chunk: under
+    load that is tens of milliseconds, many engine steps."""
     page_bytes = max(1, page_bytes)
+    half = max_staging // 2
     per_step = copy_per_step // page_bytes
-    bounded = max_staging // (2 * (RING + 1) * page_bytes)
-    return max(1, min(per_step, bounded))
+    pages = max(1, min(per_step, half // (RING * page_bytes)))
+    return pages, max(1, half // (pages * page_bytes))
 
 
 def save_queue_bound(max_staging: int) -> int:
@@ -80,6 +116,7 @@ class Stream:
     chunk_pages: int
     page_bytes: int  # a stored page (every rank's heads together)
     max_staging: int
+    ring: int = RING  # chunks staged at most (see chunk_pages)
     prefix_only: bool = False  # a pre-copy: no ledger, superseded by any real capture
     idle_timeout: float = 300.0
     waiters: list[Any] = field(default_factory=list)  # capture calls answered with chunk 0
@@ -98,12 +135,14 @@ class Stream:
     copied_pages: int = 0
     max_copy_s: float = 0.0
     touched: float = field(default_factory=time.monotonic)
+    issued_at: dict[int, float] = field(default_factory=dict)
+    latency: float = 0.0  # sum over chunks of issue → every rank's report
 
     # -- the scheduler thread --
 
     def can_issue(self) -> bool:
         unacked = self.issued - len(self.acked)
-        return self.error is None and self.last_chunk is None and unacked < RING
+        return self.error is None and self.last_chunk is None and unacked < self.ring
 
     def take(self, still_there: Callable[[Pending], bool]) -> list[Pending]:
         """The next chunk's pages: up to ``chunk_pages`` pending blocks that are still cached;
@@ -122,6 +161,7 @@ class Stream:
         k = self.issued
         self.issued += 1
         self.chunk_pages_of[k] = pages
+        self.issued_at[k] = time.monotonic()
         self.staged_bytes += pages * self.page_bytes
         self.peak_staged = max(self.peak_staged, self.staged_bytes)
         if not self.pending:
@@ -139,6 +179,7 @@ class Stream:
         if len(got) < tp:
             return False
         self.reported.add(chunk)
+        self.latency += time.monotonic() - self.issued_at.get(chunk, time.monotonic())
         self.copied_pages += self.chunk_pages_of.get(chunk, 0)
         self.max_copy_s = max(self.max_copy_s, max(float(d.get("copy_s", 0.0)) for d in got.values()))
         self.complete.append(chunk)
@@ -146,7 +187,8 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        return self.last_chunk is not None and self.last_chunk in self.acked
+        """Every chunk up to the last acknowledged (chunks may complete out of order)."""
+        return self.last_chunk is not None and len(self.acked) == self.last_chunk + 1
 
     def needs_steps(self) -> bool:
         """Whether the engine must keep stepping for this stream: a chunk to issue, or a chunk whose
@@ -208,5 +250,7 @@ class Stream:
             "staged_peak_bytes": self.peak_staged,
             "max_staging_bytes": self.max_staging,
             "chunk_pages": self.chunk_pages,
+            "ring": self.ring,
+            "mean_chunk_latency_s": self.latency / max(1, len(self.reported)),
             "max_chunk_copy_s": self.max_copy_s,
         }

@@ -7,30 +7,45 @@ are vLLM's: :class:`GpuckptMeta` (scheduler → worker, once per step) and
 :class:`GpuckptWorkerMeta` (worker → scheduler, once per step). Bytes travel
 through page files in host staging (:mod:`agent.engines.vllm.staging`).
 
-Capture (one consistent snapshot):
+Capture (one consistent point, then a stream; the bookkeeping is
+:mod:`agent.engines.vllm.capture`):
 
 1. The agent sends ``{"cmd": "capture"}`` on the control socket
    (``kv_connector_extra_config["control_socket"]``), served by a thread of
    the scheduler half. The call waits for the next step boundary.
 2. ``build_connector_meta`` of that step (scheduler thread, after the step is
-   scheduled, before its counters advance) lists the pages to copy — every
-   block in the prefix cache, keyed by vLLM's block hash, and every live
-   request's full blocks plus its partial tail (keyed by :func:`tail_key`) —
-   and writes the ledger. A request's KV at the end of the step covers
-   ``num_computed_tokens + num_scheduled_tokens``.
-3. The worker half copies those pages in ``wait_for_save`` of the same step:
+   scheduled, before its counters advance) writes the ledger and lists the
+   pages: every block in the prefix cache, keyed by vLLM's block hash, every
+   live request's full blocks, its partial tail (keyed by :func:`tail_key`)
+   and the finished requests' stored tails. A request's KV at the end of the
+   step covers ``num_computed_tokens + num_scheduled_tokens``. What may
+   change after this step — live requests' partial tails and full blocks the
+   cache map does not hold — goes into chunk 0 (a :class:`.CopyJob` in this
+   step's :class:`GpuckptMeta`), topped up with cached blocks; the other
+   cached blocks and stored tails stay pending.
+3. The worker half copies a job's pages in ``wait_for_save`` of its step:
    after the step's forward (so blocks the step completes are whole) and
-   before the next step can reuse any block. Nothing this step writes lands
-   in a block that was cached before it, and blocks the step allocated were
-   evicted from the cache map before step 2 listed it.
-4. The worker reports the page file through the worker metadata; the
-   scheduler half answers the control call with the ledger and the page file.
+   before the next step can reuse any block. A thread writes them into a
+   page file per rank and chunk; the report comes back in a later step's
+   :class:`GpuckptWorkerMeta` and, once every rank's is in, chunk 0 answers
+   the control call with the ledger.
+4. Each later step issues the next chunk of pending blocks — at most
+   ``copy_bytes_per_step`` bytes, and only while fewer than two chunks are
+   unacknowledged (the staging bound ``max_staging_bytes``: backpressure),
+   each block checked to be still mapped to its hash (then its content is the
+   one the key names; an evicted one is *lost*, left out). The agent reads a
+   chunk, deletes it and sends ``{"cmd": "next", "ack": k}`` for the next,
+   until ``done``; ``{"cmd": "cancel"}`` abandons a stream.
 
-Restore: the agent writes a page file of verified blocks and sends
-``{"cmd": "offer", "index": path}``. From then on, ``get_num_new_matched_tokens``
-reports the longest run of offered blocks after the local prefix hit as an
-external hit (leaving at least one token to compute), and the worker half
-loads those pages synchronously in ``start_load_kv``, before the forward.
+Restore: the agent writes page files of verified blocks and sends
+``{"cmd": "offer", "index": path}`` (a streaming restore: the in-flight
+requests' pages first — ``{"cmd": "keys"}`` names them, hashed by this
+engine — then the rest, each later part under the first offer's
+``generation``, refused once that offer ended). From then on,
+``get_num_new_matched_tokens`` reports the longest run of offered blocks
+after the local prefix hit as an external hit (leaving at least one token to
+compute), and the worker half loads those pages synchronously in
+``start_load_kv``, before the forward.
 
 Incremental capture: the scheduler half keeps the keys the repository
 holds (``{"cmd": "durable", "add": [...]}`` from the agent after each
@@ -40,14 +55,17 @@ A capture copies only the other pages and lists the durable ones under
 (:class:`ckpt.Existing`). If the repository no longer holds one (gc, another
 repository) the save says so, the agent sends ``"remove"`` and captures
 again: no checkpoint names a page that is not stored. ``{"full": true}``
-copies everything.
+copies everything; ``{"prefix_only": true}`` (a pre-copy between
+checkpoints) copies only the cached full blocks not durable, records no
+ledger and gives way to any real capture.
 
 Staging lifetime: an offered page file belongs to the connector. It is
 deleted when the offer ends — ``{"cmd": "withdraw"}``, or the offer's
 ``ttl`` — at the next step boundary (the workers close their mappings from
-that step's metadata, ``close_files``). ``{"cmd": "sweep"}`` deletes capture
-page files no capture in flight owns (a killed agent's): the agent asks at
-start.
+that step's metadata, ``close_files``). ``{"cmd": "sweep"}`` ends a capture
+stream nobody reads and deletes capture page files no stream owns (a killed
+agent's): the agent asks at start. A stream with no word from the agent for
+5 minutes is abandoned and its chunks deleted.
 
 Idle engine: a capture request wakes EngineCore's busy loop (a ``WAKEUP``
 on its input queue) and ``has_pending_push_work`` keeps it stepping until the
@@ -120,7 +138,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from agent.engines.vllm import control, staging
-from agent.engines.vllm.capture import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, Pending, Stream, chunk_pages
+from agent.engines.vllm.capture import (
+    DEFAULT_COPY_PER_STEP,
+    DEFAULT_MAX_STAGING,
+    CopyJob,
+    Pending,
+    Stream,
+    chunk_pages,
+    parse_job,
+)
 from agent.engines.vllm.copier import Gathered, PageCopier
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
 from agent.engines.vllm.shards import Heads, full_shape, local_heads
@@ -155,9 +181,8 @@ class GpuckptMeta(KVConnectorMetadata):
     """Scheduler → worker, one per step.
 
     ``loads``: ``(block id, page file index path, key hex)`` to copy into the
-    KV cache before this step's forward. ``capture``: when set, copy these
-    pages out after the forward: ``{"seq", "dir", "name", "pages": [[key hex, block id], …],
-    "tails": [key hex, …]}`` (``tails``: stored tails of finished requests to include).
+    KV cache before this step's forward. ``capture``: a chunk of a capture to
+    copy out after the forward (:class:`.CopyJob`).
     ``tails``: ``(key hex, block id, request id)`` partial tails of finished
     requests to copy into the worker's tail store (then report the request
     finished sending); ``tail_drop``: keys (hex) to drop from it. ``generators``: ``(request id, base64 state)`` to set
@@ -165,7 +190,7 @@ class GpuckptMeta(KVConnectorMetadata):
     """
 
     loads: list[tuple[int, str, str]] = field(default_factory=list)
-    capture: dict[str, Any] | None = None
+    capture: CopyJob | None = None
     tails: list[tuple[str, int, str]] = field(default_factory=list)
     tail_drop: list[str] = field(default_factory=list)
     generators: list[tuple[str, str]] = field(default_factory=list)
@@ -626,19 +651,18 @@ class GpuckptConnector(KVConnectorBase_V1):
             return p.block_id in v
         return int(v.block_id) == p.block_id
 
-    def _next_chunk(self, st: Stream) -> dict[str, Any]:
+    def _next_chunk(self, st: Stream) -> CopyJob:
         """The step's share of a stream's full blocks, for the workers to copy after the forward."""
         pages = st.take(self._still_cached)
         k = st.issue(len(pages))
-        return {
-            "seq": st.seq,
-            "chunk": k,
-            "dir": st.directory,
-            "name": st.name,
-            "pages": [[p.key.hex(), p.block_id] for p in pages if p.lookup is not None],
-            "tails": [p.key.hex() for p in pages if p.lookup is None],
-            "generators": False,
-        }
+        return CopyJob(
+            seq=st.seq,
+            chunk=k,
+            directory=st.directory,
+            name=st.name,
+            pages=[(p.key.hex(), p.block_id) for p in pages if p.lookup is not None],
+            tails=[p.key.hex() for p in pages if p.lookup is None],
+        )
 
     def _end_stream(self, st: Stream, error: str | None) -> None:
         """Close a stream (lock held): with ``error``, abandon it and delete what it staged."""
@@ -749,7 +773,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             w.reply = reply
             w.event.set()
 
-    def _plan_capture(self, so: SchedulerOutput, waiters: list[_Waiter]) -> dict[str, Any]:
+    def _plan_capture(self, so: SchedulerOutput, waiters: list[_Waiter]) -> CopyJob:
         """The consistent point: write the ledger, open the stream and return chunk 0 for the workers.
 
         Chunk 0 holds what may change after this step (live requests' partial tails, their full
@@ -842,13 +866,15 @@ class GpuckptConnector(KVConnectorBase_V1):
         }
         if not prefix_only:
             info["ledger"] = make_ledger(entries, step=self._step, block_size=bs).model_dump(mode="json", by_alias=True)
+        pages_per_chunk, ring = chunk_pages(self._host_page_bytes, max_staging=bound, copy_per_step=per_step)
         st = Stream(
             seq=seq,
             name=f"capture-{os.getpid()}-{seq}",
             directory=self._staging_dir,
             info=info,
             pending=pending,
-            chunk_pages=chunk_pages(self._host_page_bytes, max_staging=bound, copy_per_step=per_step),
+            chunk_pages=pages_per_chunk,
+            ring=ring,
             page_bytes=self._host_page_bytes,
             max_staging=bound,
             prefix_only=prefix_only,
@@ -868,16 +894,16 @@ class GpuckptConnector(KVConnectorBase_V1):
         first = st.take(self._still_cached)
         st.chunk_pages = room
         k = st.issue(len(mutable) + len(first))
-        return {
-            "seq": seq,
-            "chunk": k,
-            "dir": self._staging_dir,
-            "name": st.name,
-            "pages": [[key.hex(), b] for key, b in mutable.items()]
-            + [[p.key.hex(), p.block_id] for p in first if p.lookup is not None],
-            "tails": [p.key.hex() for p in first if p.lookup is None],
-            "generators": not prefix_only,
-        }
+        return CopyJob(
+            seq=seq,
+            chunk=k,
+            directory=self._staging_dir,
+            name=st.name,
+            pages=[(key.hex(), b) for key, b in mutable.items()]
+            + [(p.key.hex(), p.block_id) for p in first if p.lookup is not None],
+            tails=[p.key.hex() for p in first if p.lookup is None],
+            generators=not prefix_only,
+        )
 
     @_hook(_nothing)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -890,8 +916,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             return
         with self._lock:
             for job, parts in wm.done.items():
-                seq_s, _, chunk_s = job.partition(".")
-                seq, chunk = int(seq_s), int(chunk_s or 0)
+                seq, chunk = parse_job(job)
                 st = self._stream
                 if st is None or st.seq != seq:
                     # an ended stream's late chunk (cancelled, failed, abandoned): nobody will read it
@@ -941,10 +966,13 @@ class GpuckptConnector(KVConnectorBase_V1):
         }
 
     def _next_reply(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``{"cmd": "next", "seq", "ack": chunk, "timeout"}``: the agent consumed chunk ``ack``
-        (its files are gone); answer with the next chunk, or ``done`` after the last one."""
+        """``{"cmd": "next", "seq", "ack": [chunk, …], "timeout"}``: the agent consumed the chunks
+        ``ack`` names (their files are gone); answer with every chunk complete by then (``parts``,
+        at least one: one round trip per batch, not per chunk — under load a round trip costs the
+        agent tens of milliseconds), or ``done`` after the last one."""
         seq = int(req.get("seq", -1))
         ack = req.get("ack")
+        acks = [ack] if isinstance(ack, int) else list(ack or [])
         deadline = time.monotonic() + float(req.get("timeout", 60))
         with self._lock:
             st = self._stream
@@ -954,8 +982,8 @@ class GpuckptConnector(KVConnectorBase_V1):
                     return {"ok": True, "done": True, **last}
                 why = last.get("error") if last.get("seq") == seq else "no such capture in flight"
                 return {"ok": False, "error": f"capture {seq}: {why}"}
-            if ack is not None:
-                st.ack(int(ack))
+            for k in acks:
+                st.ack(int(k))
             if st.done:
                 self._end_stream(st, None)
                 return {"ok": True, "done": True, **self._last_stream}
@@ -965,9 +993,11 @@ class GpuckptConnector(KVConnectorBase_V1):
             while True:
                 if self._stream is not st or st.error is not None:
                     return {"ok": False, "error": f"capture {seq} failed: {st.error}"}
-                part = st.hand_out()
-                if part is not None:
-                    return {"ok": True, "seq": seq, "done": False, **part}
+                parts = []
+                while (part := st.hand_out()) is not None:
+                    parts.append(part)
+                if parts:
+                    return {"ok": True, "seq": seq, "done": False, "parts": parts}
                 left = deadline - time.monotonic()
                 if left <= 0:
                     why = "no chunk within the timeout (is the engine stepping?)"
@@ -977,149 +1007,194 @@ class GpuckptConnector(KVConnectorBase_V1):
     # -- control channel (runs on the control thread) --
 
     def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        """One control request (a JSON object with ``cmd``) → its JSON reply (``ok`` and the rest)."""
+        commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "ping": self._cmd_ping,
+            "describe": self._cmd_describe,
+            "capture": self._cmd_capture,
+            "wait": self._cmd_capture,
+            "offer": self._cmd_offer,
+            "keys": self._cmd_keys,
+            "hold": self._cmd_hold,
+            "withdraw": self._cmd_withdraw,
+            "durable": self._cmd_durable,
+            "next": self._cmd_next,
+            "cancel": self._cmd_cancel,
+            "sweep": self._cmd_sweep,
+            "stats": self._cmd_stats,
+        }
         cmd = req.get("cmd")
-        if cmd == "ping":
-            return {"ok": True, "pid": os.getpid()}
-        if cmd == "describe":
-            return {"ok": True, **self._describe()}
-        if cmd in ("capture", "wait"):
-            w = _Waiter(
-                when=_condition(req.get("when")),
-                full=bool(req.get("full", False)),
-                prefix_only=bool(req.get("prefix_only", False)),
-                max_staging=int(req["max_staging"]) if req.get("max_staging") else None,
-                copy_per_step=int(req["copy_per_step"]) if req.get("copy_per_step") else None,
-            )
+        handler = commands.get(cmd) if isinstance(cmd, str) else None
+        if handler is None:
+            return {"ok": False, "error": f"unknown command {cmd!r}"}
+        return handler(req)
+
+    def _cmd_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{}`` → ``{"pid"}``: the connector is loaded and answering."""
+        return {"ok": True, "pid": os.getpid()}
+
+    def _cmd_describe(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{}`` → the worker's pins, layout and namespace fields."""
+        return {"ok": True, **self._describe()}
+
+    def _cmd_capture(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"when", "full", "prefix_only", "max_staging", "copy_per_step", "timeout"}`` → chunk 0 of a capture, with
+        its ledger; ``wait`` (``{"when", "timeout"}``) → the step boundary where ``when`` held."""
+        cmd = req.get("cmd")
+        w = _Waiter(
+            when=_condition(req.get("when")),
+            full=bool(req.get("full", False)),
+            prefix_only=bool(req.get("prefix_only", False)),
+            max_staging=int(req["max_staging"]) if req.get("max_staging") else None,
+            copy_per_step=int(req["copy_per_step"]) if req.get("copy_per_step") else None,
+        )
+        with self._lock:
+            (self._capture_requests if cmd == "capture" else self._step_waiters).append(w)
+        self._wake()
+        if not w.event.wait(float(req.get("timeout", 60))):
             with self._lock:
-                (self._capture_requests if cmd == "capture" else self._step_waiters).append(w)
-            self._wake()
-            if not w.event.wait(float(req.get("timeout", 60))):
+                for q in (self._capture_requests, self._step_waiters):
+                    if w in q:
+                        q.remove(w)
+                if self._stream is not None and w in self._stream.waiters:
+                    self._stream.waiters.remove(w)
+            if cmd == "wait":
+                return {"ok": False, "error": f"the engine did not reach {w.when} in time: {self._progress()}"}
+            failing = ", ".join(f"{k} ({n}×)" for k, n in sorted(self._hook_failures.items()))
+            why = f"; failing connector hooks: {failing}" if failing else " (is the engine idle?)"
+            if w.when:
                 with self._lock:
-                    for q in (self._capture_requests, self._step_waiters):
-                        if w in q:
-                            q.remove(w)
-                    if self._stream is not None and w in self._stream.waiters:
-                        self._stream.waiters.remove(w)
-                if cmd == "wait":
-                    return {"ok": False, "error": f"the engine did not reach {w.when} in time: {self._progress()}"}
-                failing = ", ".join(f"{k} ({n}×)" for k, n in sorted(self._hook_failures.items()))
-                why = f"; failing connector hooks: {failing}" if failing else " (is the engine idle?)"
-                if w.when:
-                    with self._lock:
-                        why += f"; waiting for {w.when}, at the last step: {self._progress()}"
-                return {"ok": False, "error": f"no step boundary planned the capture within the timeout{why}"}
-            assert w.reply is not None
-            return w.reply
-        if cmd == "offer":
-            # {"index": page file or null, "requests": {client id: state}}; a
-            # null index offers request state alone (a cold replay).
-            keys: list[bytes] = []
-            if req.get("index"):
-                pf = staging.PageFile(req["index"])
-                try:
-                    keys = list(pf.index.keys)
-                finally:
-                    pf.close()
-            states, rejected = _check_states(req.get("requests") or {})
-            ttl = req.get("ttl")
-            with self._lock:
-                gen = req.get("generation")
-                if gen is not None and int(gen) != self._offer_generation:
-                    # a streaming restore's later part, after its offer ended (withdrawn, expired)
-                    if req.get("index"):
-                        staging.unlink_pair(req["index"])
-                    return {"ok": False, "error": f"the offer of generation {gen} has ended", "ended": True}
-                if gen is None:
-                    self._offer_generation += 1  # a new restore's first offer
+                    why += f"; waiting for {w.when}, at the last step: {self._progress()}"
+            return {"ok": False, "error": f"no step boundary planned the capture within the timeout{why}"}
+        assert w.reply is not None
+        return w.reply
+
+    def _cmd_offer(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"index", "requests", "ttl", "generation"}``: offer a page file's blocks and request states."""
+        # {"index": page file or null, "requests": {client id: state}}; a
+        # null index offers request state alone (a cold replay).
+        keys: list[bytes] = []
+        if req.get("index"):
+            pf = staging.PageFile(req["index"])
+            try:
+                keys = list(pf.index.keys)
+            finally:
+                pf.close()
+        states, rejected = _check_states(req.get("requests") or {})
+        ttl = req.get("ttl")
+        with self._lock:
+            gen = req.get("generation")
+            if gen is not None and int(gen) != self._offer_generation:
+                # a streaming restore's later part, after its offer ended (withdrawn, expired)
                 if req.get("index"):
-                    self._offer_files.add(str(req["index"]))
-                if keys:
-                    offer = dict(self._offer)
-                    for k in keys:
-                        offer[k] = str(req["index"])
-                    self._offer = offer
-                    self._durable.update(keys)  # read from the repository: it holds them
-                self._state_offer.update(states)
-                if ttl is not None:
-                    # the offer ends (and its files go) ttl seconds from now, idle engine or not
-                    if self._offer_expiry is not None:
-                        self._offer_expiry.cancel()
-                    self._offer_expiry = threading.Timer(float(ttl), self._expire_offer)
-                    self._offer_expiry.daemon = True
-                    self._offer_expiry.start()
+                    staging.unlink_pair(req["index"])
+                return {"ok": False, "error": f"the offer of generation {gen} has ended", "ended": True}
+            if gen is None:
+                self._offer_generation += 1  # a new restore's first offer
+            if req.get("index"):
+                self._offer_files.add(str(req["index"]))
+            if keys:
+                offer = dict(self._offer)
+                for k in keys:
+                    offer[k] = str(req["index"])
+                self._offer = offer
+                self._durable.update(keys)  # read from the repository: it holds them
+            self._state_offer.update(states)
+            if ttl is not None:
+                # the offer ends (and its files go) ttl seconds from now, idle engine or not
+                if self._offer_expiry is not None:
+                    self._offer_expiry.cancel()
+                self._offer_expiry = threading.Timer(float(ttl), self._expire_offer)
+                self._offer_expiry.daemon = True
+                self._offer_expiry.start()
+        return {
+            "ok": True,
+            "offered": len(keys),
+            "requests": len(states),
+            "rejected": rejected,
+            "generation": self._offer_generation,
+        }
+
+    def _cmd_keys(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"requests": [{"token_ids", "kv_tokens", "cache_salt"}]}`` → each request's page keys, in order."""
+        # {"requests": [{"token_ids", "kv_tokens", "cache_salt"}]}: the page keys of each, in order
+        # (a streaming restore fetches the in-flight requests' pages first)
+        return {"ok": True, "keys": [self._request_keys(r) for r in req.get("requests") or []]}
+
+    def _cmd_hold(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"requests": n, "timeout"}``: hold new requests until n have arrived."""
+        with self._lock:
+            self._hold = int(req.get("requests", 0))
+            self._hold_until = time.monotonic() + float(req.get("timeout", 60))  # never held forever
+            self._held = set()
+        return {"ok": True}
+
+    def _cmd_withdraw(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{}``: end the restore offer (its files go at the next step boundary)."""
+        with self._lock:
+            files = len(self._offer_files)
+            self._end_offer()
+        self._wake()
+        return {"ok": True, "files": files}
+
+    def _cmd_durable(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"add", "remove"}``: keys the repository holds (incremental capture)."""
+        # {"add": [key hex], "remove": [key hex]}: the agent's word on what the repository holds
+        try:
+            add = [bytes.fromhex(k) for k in req.get("add") or []]
+            remove = [bytes.fromhex(k) for k in req.get("remove") or []]
+        except (TypeError, ValueError):
+            return {"ok": False, "error": "durable: keys must be hex strings"}
+        with self._lock:
+            self._durable.update(add)
+            self._durable.difference_update(remove)
+            n = len(self._durable)
+        return {"ok": True, "durable": n}
+
+    def _cmd_next(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"seq", "ack", "timeout"}`` → the next chunk of a capture, or ``done``."""
+        return self._next_reply(req)
+
+    def _cmd_cancel(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{"seq"}``: abandon a capture stream."""
+        # {"seq"}: the agent gives up on a capture (its save failed): stop copying, delete its chunks
+        with self._lock:
+            st = self._stream
+            if st is not None and st.seq == int(req.get("seq", -1)):
+                self._end_stream(st, "cancelled by the agent")
+                return {"ok": True, "cancelled": True}
+        return {"ok": True, "cancelled": False}
+
+    def _cmd_sweep(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{}``: a (re)started agent: end any capture stream and delete unowned capture files."""
+        # the agent (re)starts: a capture stream of its predecessor has no reader
+        with self._lock:
+            if self._stream is not None:
+                self._end_stream(self._stream, "the agent restarted (sweep)")
+        return {"ok": True, "removed": self._sweep()}
+
+    def _cmd_stats(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``{}`` → counters."""
+        with self._lock:
             return {
                 "ok": True,
-                "offered": len(keys),
-                "requests": len(states),
-                "rejected": rejected,
-                "generation": self._offer_generation,
+                "restored_tokens": dict(self._restored),
+                "step": self._step,
+                "live": len(self._live),
+                "offered": len(self._offer),
+                "tail_pages": len(self._tail_keys),
+                "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
+                "states_pending": len(self._state_offer),
+                "states_applied": {k: list(v) for k, v in self._states_applied.items()},
+                "hook_failures": dict(self._hook_failures),
+                "captures_pending": len(self._capture_requests),
+                "stream": None if self._stream is None else {"seq": self._stream.seq, **self._stream.summary()},
+                "last_stream": dict(self._last_stream),
+                "offer_files": sorted(self._offer_files),
+                "files_to_delete": len(self._retired),
+                "durable": len(self._durable),
+                "waits_pending": len(self._step_waiters),
             }
-        if cmd == "keys":
-            # {"requests": [{"token_ids", "kv_tokens", "cache_salt"}]}: the page keys of each, in order
-            # (a streaming restore fetches the in-flight requests' pages first)
-            return {"ok": True, "keys": [self._request_keys(r) for r in req.get("requests") or []]}
-        if cmd == "hold":
-            with self._lock:
-                self._hold = int(req.get("requests", 0))
-                self._hold_until = time.monotonic() + float(req.get("timeout", 60))  # never held forever
-                self._held = set()
-            return {"ok": True}
-        if cmd == "withdraw":
-            with self._lock:
-                files = len(self._offer_files)
-                self._end_offer()
-            self._wake()
-            return {"ok": True, "files": files}
-        if cmd == "durable":
-            # {"add": [key hex], "remove": [key hex]}: the agent's word on what the repository holds
-            try:
-                add = [bytes.fromhex(k) for k in req.get("add") or []]
-                remove = [bytes.fromhex(k) for k in req.get("remove") or []]
-            except (TypeError, ValueError):
-                return {"ok": False, "error": "durable: keys must be hex strings"}
-            with self._lock:
-                self._durable.update(add)
-                self._durable.difference_update(remove)
-                n = len(self._durable)
-            return {"ok": True, "durable": n}
-        if cmd == "next":
-            return self._next_reply(req)
-        if cmd == "cancel":
-            # {"seq"}: the agent gives up on a capture (its save failed): stop copying, delete its chunks
-            with self._lock:
-                st = self._stream
-                if st is not None and st.seq == int(req.get("seq", -1)):
-                    self._end_stream(st, "cancelled by the agent")
-                    return {"ok": True, "cancelled": True}
-            return {"ok": True, "cancelled": False}
-        if cmd == "sweep":
-            # the agent (re)starts: a capture stream of its predecessor has no reader
-            with self._lock:
-                if self._stream is not None:
-                    self._end_stream(self._stream, "the agent restarted (sweep)")
-            return {"ok": True, "removed": self._sweep()}
-        if cmd == "stats":
-            with self._lock:
-                return {
-                    "ok": True,
-                    "restored_tokens": dict(self._restored),
-                    "step": self._step,
-                    "live": len(self._live),
-                    "offered": len(self._offer),
-                    "tail_pages": len(self._tail_keys),
-                    "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
-                    "states_pending": len(self._state_offer),
-                    "states_applied": {k: list(v) for k, v in self._states_applied.items()},
-                    "hook_failures": dict(self._hook_failures),
-                    "captures_pending": len(self._capture_requests),
-                    "stream": None if self._stream is None else {"seq": self._stream.seq, **self._stream.summary()},
-                    "last_stream": dict(self._last_stream),
-                    "offer_files": sorted(self._offer_files),
-                    "files_to_delete": len(self._retired),
-                    "durable": len(self._durable),
-                    "waits_pending": len(self._step_waiters),
-                }
-        return {"ok": False, "error": f"unknown command {cmd!r}"}
 
     def _describe(self) -> dict[str, Any]:
         if self._facts_cache is None:
@@ -1366,34 +1441,30 @@ class GpuckptConnector(KVConnectorBase_V1):
             assert self._copier is not None
             # Only the copy holds up the engine (on CUDA, only its GPU stream);
             # the page file is written by a thread, reported a step or more later.
-            gathered = self._copier.gather([b for _, b in cap["pages"]])
-            tails = [
-                (k, self._tail_pages[bytes.fromhex(k)])
-                for k in cap.get("tails", ())
-                if bytes.fromhex(k) in self._tail_pages
-            ]
+            gathered = self._copier.gather([b for _, b in cap.pages])
+            tails = [(k, self._tail_pages[bytes.fromhex(k)]) for k in cap.tails if bytes.fromhex(k) in self._tail_pages]
             # Seeded requests' sampler state, before this step's sample (matches the ledger's outputs).
             gens = {}
-            if self._runner is not None and cap.get("generators", True):
+            if self._runner is not None and cap.generators:
                 for rid, st in list(self._runner.requests.items()):
                     g = getattr(st, "generator", None)
                     if g is not None:
                         gens[rid] = base64.b64encode(g.get_state().numpy().tobytes()).decode()
         except Exception as exc:
-            log.exception("gpuckpt: capture %s failed", cap["seq"])
+            log.exception("gpuckpt: capture %s failed", cap.job)
             self._finish_capture(cap, {"error": f"{type(exc).__name__}: {exc}"})
             return
         pause = time.monotonic() - t0
         threading.Thread(
             target=self._write_capture,
             args=(cap, gathered, tails, gens, pause),
-            name=f"gpuckpt-capture-{cap['seq']}.{cap.get('chunk', 0)}",
+            name=f"gpuckpt-capture-{cap.job}",
             daemon=True,
         ).start()
 
     def _write_capture(
         self,
-        cap: dict[str, Any],
+        cap: CopyJob,
         gathered: Gathered,
         tails: list[tuple[str, bytes]],
         gens: dict[str, str],
@@ -1406,13 +1477,13 @@ class GpuckptConnector(KVConnectorBase_V1):
                 raise InjectedFault("injected fault in write_capture")
             assert self._heads is not None
             w = staging.PageWriter(
-                cap["dir"],
-                f"{cap['name']}-c{cap.get('chunk', 0)}-r{self._rank}",
+                cap.directory,
+                cap.file(self._rank),
                 dtype=self._dtype(),
                 page_shape=self._page_shape(),
                 layers=[n for n, _ in self._kv],
             )
-            for (key_hex, _), page in zip(cap["pages"], gathered.pages(), strict=True):
+            for (key_hex, _), page in zip(cap.pages, gathered.pages(), strict=True):
                 w.write(bytes.fromhex(key_hex), page)
             for key_hex, tail in tails:
                 w.write(bytes.fromhex(key_hex), tail)
@@ -1433,13 +1504,13 @@ class GpuckptConnector(KVConnectorBase_V1):
         except Exception as exc:
             if w is not None:
                 w.abort()
-            log.exception("gpuckpt: writing capture %s failed", cap["seq"])
+            log.exception("gpuckpt: writing capture %s failed", cap.job)
             res = {"error": f"{type(exc).__name__}: {exc}"}
         self._finish_capture(cap, res)
 
-    def _finish_capture(self, cap: dict[str, Any], result: dict[str, Any]) -> None:
+    def _finish_capture(self, cap: CopyJob, result: dict[str, Any]) -> None:
         with self._done_lock:
-            self._done.setdefault(f"{cap['seq']}.{cap.get('chunk', 0)}", {})[self._rank] = result
+            self._done.setdefault(cap.job, {})[self._rank] = result
 
     def _sent_anyway(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, self._sent = self._sent, set()

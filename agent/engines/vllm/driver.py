@@ -166,6 +166,7 @@ def capture(
     seq = int(r["seq"])
     tp = int(r.get("tensor_parallel_size", len(r.get("shards") or [1])))
     state: dict[str, Any] = {"chunk": None, "done": False}  # done: the connector closed the stream
+    read: list[int] = []  # chunks read and deleted, to acknowledge with the next call
 
     def cancel() -> None:
         if not state["done"]:
@@ -208,31 +209,40 @@ def capture(
     stats["tensor_parallel_size"] = tp
 
     def pages() -> Iterator[Block | Existing]:
+        todo: list[dict[str, Any]] = []  # chunks handed over, not yet read
         ch: _Chunk | None = first
-        last = bool(r.get("last", True))
         copied = copied_bytes = 0
-        while ch is not None:
-            if tuple(ch.shape) != tuple(first.shape) or ch.index.dtype != first.index.dtype:
-                raise shards.ShardError(f"chunk {ch.number}'s pages {ch.shape} differ from chunk 0's {first.shape}")
-            for b in ch.blocks():
-                copied += 1
-                copied_bytes += b.nbytes
-                yield b
-            number = ch.number
-            state["chunk"] = None
-            ch.close()
-            reply = control.call(sock, "next", io_timeout=timeout + 5, seq=seq, ack=number, timeout=timeout)
-            lost.extend(bytes.fromhex(k) for k in reply.get("lost") or [])
+        while True:
+            if ch is not None:
+                if tuple(ch.shape) != tuple(first.shape) or ch.index.dtype != first.index.dtype:
+                    raise shards.ShardError(f"chunk {ch.number}'s pages {ch.shape} differ from chunk 0's {first.shape}")
+                for b in ch.blocks():
+                    copied += 1
+                    copied_bytes += b.nbytes
+                    yield b
+                read.append(ch.number)
+                state["chunk"] = None
+                ch.close()
+            if todo:
+                part = todo.pop(0)
+                ch = state["chunk"] = _Chunk(part, tp)
+                continue
+            ch = None
+            # one round trip acknowledges what was read and brings every chunk complete since
+            reply = control.call(sock, "next", io_timeout=timeout + 5, seq=seq, ack=read, timeout=timeout)
+            read.clear()
             if reply.get("done"):
                 state["done"] = True
-                for k in ("chunks", "lost_pages", "staged_peak_bytes", "max_chunk_copy_s"):
+                for k in ("chunks", "lost_pages", "staged_peak_bytes", "max_chunk_copy_s", "mean_chunk_latency_s"):
                     if k in reply:
                         stats[k] = reply[k]
                 break
-            if last:
-                raise control.ControlError(f"capture {seq}: a chunk after the last one")
-            ch = state["chunk"] = _Chunk(reply, tp)
-            last = bool(reply.get("last"))
+            parts = reply.get("parts") or []
+            if not parts:
+                raise control.ControlError(f"capture {seq}: the connector answered with no chunk")
+            for part in parts:
+                lost.extend(bytes.fromhex(k) for k in part.get("lost") or [])
+                todo.append(part)
         stats["pages"] = copied  # copied and stored; planned pages that were evicted first are lost
         stats["bytes"] = copied_bytes
         stats["lost_pages"] = len(lost)

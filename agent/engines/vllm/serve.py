@@ -329,6 +329,7 @@ class ServeProcess:
         import subprocess
 
         self.control_socket = control_socket
+        self.staging_dir = staging_dir
         self.url = f"http://{host}:{port}"
         self.log_path = log_path
         cmd = serve_command(
