@@ -87,7 +87,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             d = tmp / "stage-a"
             while not done.is_set():
                 peak[0] = max(peak[0], staged_bytes(d))
-                time.sleep(0.002)
+                time.sleep(0.01)  # not too often: this thread must not starve the save it watches
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()

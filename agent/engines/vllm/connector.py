@@ -1488,6 +1488,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             for key_hex, tail in tails:
                 w.write(bytes.fromhex(key_hex), tail)
             idx = w.commit()
+            gathered.release()
             res: dict[str, Any] = {
                 "rank": self._rank,
                 "device": str(self._kv[0][1].device),
@@ -1502,6 +1503,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 "generators": gens,
             }
         except Exception as exc:
+            gathered.release()
             if w is not None:
                 w.abort()
             log.exception("gpuckpt: writing capture %s failed", cap.job)

@@ -63,6 +63,13 @@ class Gathered:
     host: torch.Tensor
     ids: list[int]
     event: Any = None  # torch.cuda.Event marking the end of the copy (CUDA only)
+    recycle: Any = None  # gives the host buffer back to its copier's pool once the pages are read
+
+    def release(self) -> None:
+        """The pages are read (written out): the pinned buffer may take the next chunk."""
+        if self.recycle is not None:
+            self.recycle, recycle = None, self.recycle
+            recycle()
 
     def wait(self) -> None:
         if self.event is not None:
@@ -95,18 +102,42 @@ class PageCopier:
         self.cuda = first.is_cuda
         self._side: Any = torch.cuda.Stream(device=self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
+        # Pinned host buffers for captures, reused: a capture streams a chunk per engine step, and
+        # pinning memory per step (cudaHostAlloc) would cost more than the copy.
+        self._pool: list[torch.Tensor] = []
         self._load_buf: torch.Tensor | None = None
         self._load_event: Any = None
 
-    def _host(self, n: int) -> torch.Tensor:
-        # A fresh buffer per capture: the previous one may still be draining
-        # on the writer thread. Pinned on CUDA so the D2H copy is a real DMA.
-        return torch.empty((len(self.layers), n, *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
+    #: pinned buffers kept for reuse (a ring of chunks is a few at a time)
+    POOL = 4
+
+    def _host(self, n: int) -> tuple[torch.Tensor, Any]:
+        """A ``[layers, n, *page]`` host buffer (a view of a pooled one on CUDA) and its recycle call.
+
+        A buffer is not reused before its pages were read: the writer thread of an earlier chunk
+        may still be draining it. Pinned on CUDA so the D2H copy is a real DMA.
+        """
+        if not self.cuda:
+            return torch.empty((len(self.layers), n, *self.page_shape), dtype=self.dtype), None
+        with self._lock:
+            fit = [b for b in self._pool if b.shape[1] >= n]
+            buf = min(fit, key=lambda b: int(b.shape[1])) if fit else None
+            if buf is not None:
+                self._pool.remove(buf)
+        if buf is None:
+            buf = torch.empty((len(self.layers), n, *self.page_shape), dtype=self.dtype, pin_memory=True)
+
+        def recycle(b: torch.Tensor = buf) -> None:
+            with self._lock:
+                if len(self._pool) < self.POOL:
+                    self._pool.append(b)
+
+        return buf[:, :n], recycle
 
     def gather(self, ids: Sequence[int]) -> Gathered:
         """Start copying blocks ``ids`` to host memory; returns before the copy ends on CUDA."""
         ids = list(ids)
-        host = self._host(len(ids))
+        host, recycle = self._host(len(ids))
         rs = runs(ids)
         if not self.cuda:
             for li, kv in enumerate(self.layers):
@@ -125,12 +156,15 @@ class PageCopier:
             done.record(self._side)
         # The blocks may be rewritten by the next step: its kernels wait for the copy.
         compute.wait_event(done)
-        return Gathered(host, ids, done)
+        return Gathered(host, ids, done, recycle)
 
     def page(self, block_id: int) -> bytes:
         """One block of every layer, synchronously (a finished request's tail: one page)."""
         g = self.gather([block_id])
-        return b"".join(bytes(p) for p in g.pages())
+        try:
+            return b"".join(bytes(p) for p in g.pages())
+        finally:
+            g.release()
 
     def scatter(
         self,
