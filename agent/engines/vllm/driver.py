@@ -53,7 +53,7 @@ from ckpt import (
     host_facts,
 )
 from ckpt.compat import STRICT
-from ckpt.save import SaveProgress
+from ckpt.save import SaveOptions, SaveProgress
 
 Socket = str | os.PathLike[str]
 log = logging.getLogger("gpuckpt.driver")
@@ -317,13 +317,9 @@ def checkpoint(
                 # which rank held which heads when the checkpoint was taken
                 "shards": cap.stats["shards"],
             }
-            bound = cap.stats.get("max_staging_bytes")
-            opts = repo.default_save_options()
-            if bound:  # pages of read chunks wait in the save's queue: half the staging bound
-                opts = dataclasses.replace(opts, max_queued_raw=save_queue_bound(int(bound)))
             m = repo.save(
                 cap.pages,
-                options=opts,
+                options=_save_options(repo, cap),
                 worker_id=worker_id,
                 namespace=desc.namespace,
                 pins=Pins(host=host_facts(), worker=desc.facts),
@@ -359,6 +355,18 @@ def checkpoint(
     return m
 
 
+def _save_options(repo: Repository, cap: Capture) -> SaveOptions:
+    """The repository's save options, with the save's queue of read chunks' pages held to half the
+    capture's staging bound (those pages are still mapped staging)."""
+    opts = repo.default_save_options()
+    bound = cap.stats.get("max_staging_bytes")
+    return dataclasses.replace(opts, max_queued_raw=save_queue_bound(int(bound))) if bound else opts
+
+
+def _failures(errors: list[BlockFailure]) -> list[str]:
+    return [f"{f.key.hex()[:16]}: {f.error}" for f in errors]
+
+
 def precopy(
     sock: Socket,
     repo: Repository,
@@ -390,11 +398,9 @@ def precopy(
             yield b
 
     try:
-        bound = cap.stats.get("max_staging_bytes")
-        opts = repo.default_save_options()
-        if bound:
-            opts = dataclasses.replace(opts, max_queued_raw=save_queue_bound(int(bound)))
-        out = repo.store_blocks(pages(), namespace=desc.namespace, deadline=deadline, cancel=cancel, options=opts)
+        out = repo.store_blocks(
+            pages(), namespace=desc.namespace, deadline=deadline, cancel=cancel, options=_save_options(repo, cap)
+        )
     finally:
         cap.close()
     if keys:
@@ -578,7 +584,7 @@ class _RestoreRest:
                 errors: list[BlockFailure] = []
                 w, n = _write_pages(repo, m, keys[i : i + per_part], out, f"restore-{m.id}-{1 + i // per_part}", errors)
                 self.stats["failed_blocks"] += len(errors)
-                self.stats["failures"] += [f"{f.key.hex()[:16]}: {f.error}" for f in errors][:10]
+                self.stats["failures"] += _failures(errors)[:10]
                 if not n:
                     staging.unlink_pair(w.index_path)
                     continue
@@ -686,7 +692,7 @@ def restore(
         "blocks": n,
         "first_blocks": n,
         "failed_blocks": len(errors),
-        "failures": [f"{f.key.hex()[:16]}: {f.error}" for f in errors],
+        "failures": _failures(errors),
         "generators": sum(1 for st in states.values() if st.get("generator_state")),
         "first_s": time.monotonic() - t0,
     }
