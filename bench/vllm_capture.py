@@ -23,7 +23,7 @@ largest per-step copy after it, the staging peak (the connector's count and
 the staging directory's size sampled from outside) and the capture and
 save times.
 
-Then the restore (``--no-restore`` skips it): a worker with four requests
+Then the restore (``--no-restore`` skips it): a worker with ``--restore-live`` requests
 decoding and a prefix cache 8× their KV is checkpointed into SeaweedFS
 (S3 on loopback) and SIGKILLed; a fresh worker restores, in-flight pages
 first, and the time from the restore's start to the first resumed token is
@@ -40,6 +40,8 @@ import argparse
 import json
 import os
 import random
+import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -131,14 +133,14 @@ def rate(sock: str, seconds: float = 0.0, during: Any = None) -> tuple[float, An
     return (b - a) / (t1 - t0), (result, t1 - t0)
 
 
-def start_worker(model: Path, tmp: Path, tag: str, max_len: int) -> ServeProcess:
+def start_worker(model: Path, tmp: Path, tag: str, max_len: int, block_size: int = 32) -> ServeProcess:
     w = ServeProcess(
         str(model),
         str(tmp / f"{tag}.sock"),
         port=free_port(),
         log_path=str(tmp / f"{tag}.log"),
         staging_dir=str(tmp / f"stage-{tag}"),
-        args=worker_args(max_model_len=max_len),
+        args=worker_args(max_model_len=max_len, block_size=block_size),
         env=WORKER_ENV,
     )
     w.wait_ready()
@@ -159,23 +161,15 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random, a: argpa
                 w.client.complete(p, {"temperature": 0.0, "max_tokens": 1}, stream=False)
 
         fill(prompts)
-        stop = threading.Event()
-
-        def decode() -> None:  # two requests decoding through every checkpoint
-            while not stop.is_set():
-                p = [rng.randrange(3, SPEC["vocab"]) for _ in range(64)]
-                try:
-                    w.client.complete(p, {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True}, stream=False)
-                except Exception:  # the worker is killed under it at the end
-                    return
-
-        threads = [threading.Thread(target=decode, daemon=True) for _ in range(2)]
-        for t in threads:
-            t.start()
-        driver.wait_until(w.control_socket, live=2, min_outputs=8, timeout=300)
+        dec = Decoders(w, rng)
         out["first"] = checkpoint(w, repo, bound, per_step)
+        # 10 % new blocks: the decoders stop while the prompts are added (their outputs would be new
+        # blocks too, at ~400 tokens/s more than the prompts), and two fresh ones decode through it
+        dec.pause()
         fill(max(1, prompts // 10))
+        dec.resume()
         out["incremental"] = checkpoint(w, repo, bound, per_step)
+        out["new_blocks"] = new_blocks(repo)
         out["full"] = checkpoint(w, repo, bound, per_step, full=True)
         out["kv_bytes"] = out["full"]["bytes"]
         fill(max(1, prompts // 10))
@@ -188,10 +182,69 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random, a: argpa
         after, _ = rate(w.control_socket, seconds=max(secs, 2.0))
         out["precopy"] = {**pc, "tok_s": with_pre, "baseline_tok_s": (before + after) / 2, "seconds": secs}
         out["after_precopy"] = checkpoint(w, repo, bound, per_step)
-        stop.set()
     finally:
         w.kill()
     return out
+
+
+class Decoders:
+    """Two requests decoding through every checkpoint (3,000 tokens each, then two more).
+
+    :meth:`pause` ends them — their streams are closed, so the server aborts
+    them — and starts none until :meth:`resume`, which waits until two fresh
+    ones are decoding.
+    """
+
+    class _Stop(Exception):
+        pass
+
+    def __init__(self, w: ServeProcess, rng: random.Random, n: int = 2) -> None:
+        self.w, self.rng, self.n = w, rng, n
+        self._run_ok = threading.Event()
+        self._run_ok.set()
+        self._epoch = 0
+        for _ in range(n):
+            threading.Thread(target=self._decode, daemon=True).start()
+        self._wait_live()
+
+    def _wait_live(self) -> None:
+        driver.wait_until(self.w.control_socket, live=self.n, min_outputs=8, timeout=300)
+
+    def _decode(self) -> None:
+        while True:
+            self._run_ok.wait()
+            epoch = self._epoch
+
+            def check(_toks: list[int], epoch: int = epoch) -> None:
+                if self._epoch != epoch:
+                    raise Decoders._Stop
+
+            p = [self.rng.randrange(3, SPEC["vocab"]) for _ in range(64)]
+            sampling = {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True}
+            try:
+                self.w.client.complete(p, sampling, on_tokens=check)
+            except Decoders._Stop:
+                continue
+            except Exception:  # the worker is killed under it at the end
+                return
+
+    def pause(self) -> None:
+        self._run_ok.clear()
+        self._epoch += 1
+        deadline = time.monotonic() + 300
+        while driver.stats(self.w.control_socket)["live"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the streams close at their next token: the server aborts them
+
+    def resume(self) -> None:
+        self._run_ok.set()
+        self._wait_live()
+
+
+def new_blocks(repo: Repository) -> dict[str, int]:
+    """Blocks of the newest checkpoint that the one before it did not have, and that one's count."""
+    a, b = (repo.manifest(c.id) for c in repo.list()[-2:])
+    before = {r.key for r in a.blocks}
+    return {"new": sum(1 for r in b.blocks if r.key not in before), "before": len(before)}
 
 
 def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespace) -> dict[str, Any]:
@@ -205,11 +258,13 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
         )
         url = f"s3://{server.make_bucket('bench')}/repo?endpoint={server.endpoint}"
         repo = Repository.open(url, create=True)
-        live = {f"live{i}": [rng.randrange(3, SPEC["vocab"]) for _ in range(PROMPT)] for i in range(4)}
+        n_live, live_len = a.restore_live, a.restore_prompt
+        live = {f"live{i}": [rng.randrange(3, SPEC["vocab"]) for _ in range(live_len)] for i in range(n_live)}
         sampling = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
-        w = start_worker(model, tmp, "ra", 2 * PROMPT + 512)
+        max_len = max(PROMPT, live_len) + 512
+        w = start_worker(model, tmp, "ra", max_len, a.restore_block_size)
         try:
-            for _ in range(8 * len(live)):  # prefix cache 8x the in-flight requests' prompts
+            for _ in range(8 * n_live * live_len // PROMPT):  # prefix cache 8x the in-flight requests' prompts
                 p = [rng.randrange(3, SPEC["vocab"]) for _ in range(PROMPT)]
                 w.client.complete(p, {"temperature": 0.0, "max_tokens": 1}, stream=False)
             probe = None
@@ -232,13 +287,14 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
             m = driver.checkpoint_around(w.control_socket, go, repo, "bench-r", canary=probe, when=when, timeout=300)
         finally:
             w.kill()
-        b = start_worker(model, tmp, "rb", 2 * PROMPT + 512)
+        b = start_worker(model, tmp, "rb", max_len, a.restore_block_size)
+        # the restore's page files where a restore puts them by default: shared memory
+        shm = Path("/dev/shm")
+        stage = Path(tempfile.mkdtemp(prefix="gpuckpt-bench-restore-", dir=shm if shm.is_dir() else tmp))
         try:
             repo = Repository.open(url)
             t0 = time.monotonic()
-            plan = driver.restore(
-                repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-rb"), generate=b.client.generate
-            )
+            plan = driver.restore(repo, m.id, b.control_socket, staging_dir=str(stage), generate=b.client.generate)
             t_plan = time.monotonic() - t0
             res = b.client.submit(plan.requests)
             first = min(c.first_token_s for c in res.values() if c.first_token_s is not None)
@@ -250,6 +306,7 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
             }
         finally:
             b.kill()
+            shutil.rmtree(stage, ignore_errors=True)
         fresh = Repository.open(url)
         t1 = time.monotonic()
         n = sum(1 for _ in fresh.load(m.id))
@@ -259,6 +316,8 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
             "first_blocks": plan.stats.get("first_blocks"),
             "warm": plan.warm,
             "plan_s": t_plan,
+            "phases": dict(plan.stats.get("phases") or {})
+            | {"canary_s": (plan.stats.get("canary") or {}).get("canary_s"), "submit_to_first_s": first},
             "first_token_s": t_plan + first,
             "full_fetch_s": t_full,
             "loaded": n,
@@ -288,6 +347,11 @@ def main() -> None:
     ap.add_argument("--copy-mib", type=int, default=4, help="bytes copied per step after the consistent point")
     ap.add_argument("--precopy-kib", type=int, default=512, help="bytes a pre-copy copies per step")
     ap.add_argument("--no-restore", action="store_true")
+    ap.add_argument("--restore-live", type=int, default=16, help="in-flight requests at the restore's checkpoint")
+    ap.add_argument("--restore-prompt", type=int, default=2048, help="their prompts' length in tokens")
+    ap.add_argument(
+        "--restore-block-size", type=int, default=32, help="tokens per page in the restore's workers (32: 64 KiB pages)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -295,7 +359,8 @@ def main() -> None:
         tmp = Path(d)
         model = make_model(tmp, **SPEC)
         per_token = kv_bytes_per_token(SPEC["layers"], SPEC["kv_heads"], SPEC["hidden"] // SPEC["heads"], "float32")
-        results = [run_scale(model, tmp, args.prompts * int(s), rng, args) for s in args.scales.split(",")]
+        scales = [int(s) for s in args.scales.split(",") if s.strip()]
+        results = [run_scale(model, tmp, args.prompts * s, rng, args) for s in scales]
         restored = None if args.no_restore else run_restore(model, tmp, rng, args)
     if args.json:
         print(json.dumps({"scales": results, "restore": restored}, indent=2, default=str))
@@ -308,9 +373,10 @@ def main() -> None:
         print(f"prefix cache: {r['prompts']} prompts ({r['kv_bytes'] / MiB:.0f} MiB of KV)")
         for name in ("first", "incremental", "full", "after_precopy"):
             print(row(name, r[name]))
-        inc, full, pc = r["incremental"], r["full"], r["precopy"]
+        inc, full, pc, nb = r["incremental"], r["full"], r["precopy"], r["new_blocks"]
         print(
-            f"  10 % new: incremental copies {inc['bytes'] / r['first']['bytes']:.3f} of the first's bytes "
+            f"  {nb['new'] / nb['before']:.1%} new blocks ({nb['new']} of {nb['before']}): the incremental "
+            f"checkpoint copies {inc['bytes'] / r['first']['bytes']:.3f} of the first's bytes "
             f"({inc['bytes'] / full['bytes']:.3f} of a full capture's)"
         )
         print(
@@ -322,9 +388,17 @@ def main() -> None:
     if len(results) >= 2:
         a, b = results[0], results[-1]
         scale = b["prompts"] // a["prompts"]
-        print(f"pause at {scale}x KV / at 1x (first checkpoint): {b['first']['copy_s'] / a['first']['copy_s']:.2f}")
-        peak = max(b["first"]["staged_peak_bytes"], b["first"]["sampled_peak_bytes"])
         kinds = ("first", "incremental", "full", "after_precopy")
+
+        def pause(r: dict[str, Any]) -> float:  # the median of the run's four captures: a few ms, noisy
+            return float(statistics.median(r[k]["copy_s"] for k in kinds))
+
+        print(
+            f"pause at {scale}x KV / at 1x: {pause(b) / pause(a):.2f} (medians of four captures, "
+            f"{pause(b) * 1000:.1f} / {pause(a) * 1000:.1f} ms); first checkpoints: "
+            f"{b['first']['copy_s'] / a['first']['copy_s']:.2f}"
+        )
+        peak = max(b["first"]["staged_peak_bytes"], b["first"]["sampled_peak_bytes"])
         within = all(
             max(r[k]["staged_peak_bytes"], r[k]["sampled_peak_bytes"]) <= r["bound"] for r in results for k in kinds
         )
@@ -332,8 +406,10 @@ def main() -> None:
             f"peak staging at {scale}x / KV: {peak / b['kv_bytes']:.3f} (bound {b['bound'] / b['kv_bytes']:.3f}; "
             f"never above the bound: {within})"
         )
-        inc = b["incremental"]["bytes"] / b["first"]["bytes"]
-        print(f"bytes of a 10 %-new checkpoint / the first's at {scale}x: {inc:.3f}")
+        inc, nb = b["incremental"]["bytes"] / b["first"]["bytes"], b["new_blocks"]
+        print(
+            f"bytes of a checkpoint with {nb['new'] / nb['before']:.1%} new blocks / the first's at {scale}x: {inc:.3f}"
+        )
         thr = b["precopy"]["tok_s"] / b["precopy"]["baseline_tok_s"]
         print(f"decode throughput with pre-copy / without at {scale}x: {thr:.2f}")
     if restored is not None:
@@ -341,9 +417,11 @@ def main() -> None:
         print(
             f"restore from SeaweedFS, prefix cache 8x the in-flight KV ({x['blocks']} blocks, {x['first_blocks']} "
             f"first): first resumed token after {x['first_token_s']:.2f} s, whole checkpoint fetched and verified in "
-            f"{x['full_fetch_s']:.2f} s: {x['first_token_s'] / x['full_fetch_s']:.3f}; "
-            f"cached (tokens, prompt): {x['cached']}"
+            f"{x['full_fetch_s']:.2f} s: {x['first_token_s'] / x['full_fetch_s']:.3f}"
         )
+        ph = ", ".join(f"{k.removesuffix('_s')} {v * 1000:.0f} ms" for k, v in x["phases"].items() if v is not None)
+        cached = sum(c for c, _ in x["cached"].values()), sum(n for _, n in x["cached"].values())
+        print(f"  to the first token: {ph}; cached {cached[0]} of {cached[1]} resubmitted prompt tokens")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,13 @@ Plain::
 
 Encrypted (repository with a key)::
 
-    {"format": KIND, "version": V, "encryption": {"alg": "aes-256-gcm", "key_id": ID},
-     "ciphertext": "<base64 of nonce | AES-GCM(canonical body) | tag>"}
+    {"format": KIND, "version": V, "encryption": {"alg": "aes-256-gcm", "key_id": ID, "seal": 2},
+     "ciphertext": "<base64 of the sealed canonical body>"}
+
+``seal`` names the sealed-message format (FORMAT.md §10.1): 2, what writers
+use, is ``0x02 | salt | AES-GCM(canonical body) | tag`` under a key derived
+for this document alone; absent means 1 (format v1 documents), ``nonce |
+AES-GCM(canonical body) | tag`` under the repository AES key.
 
 The checksum and the AEAD both cover the *canonical* JSON of the body (keys
 sorted, no whitespace, UTF-8), which a reader recomputes after parsing. The
@@ -27,7 +32,7 @@ from typing import Any
 
 from ckpt.checksum import ALGORITHM, checksum
 from ckpt.errors import FormatError, IntegrityError, KeyMismatch, KeyMissing, UnsupportedVersion
-from ckpt.keys import ALG, Keyring
+from ckpt.keys import ALG, SEAL_V1, SEAL_VERSION, SEAL_VERSIONS, Keyring
 
 #: Kinds that are always plain: they hold no user data.
 _PLAIN_KINDS = frozenset({"gpuckpt-repository", "gpuckpt-lock"})
@@ -50,8 +55,8 @@ def seal(kind: str, version: int, name: str, body: dict[str, Any], keyring: Keyr
         # Embed the canonical text's parse, so the file stays readable JSON.
         env["body"] = body
         return json.dumps(env, separators=(",", ":"), ensure_ascii=False).encode()
-    sealed = keyring.seal(canon, _aad(kind, version, name))
-    env["encryption"] = {"alg": ALG, "key_id": keyring.key_id}
+    sealed = keyring.seal(canon, _aad(kind, version, name), purpose="document", version=SEAL_VERSION)
+    env["encryption"] = {"alg": ALG, "key_id": keyring.key_id, "seal": SEAL_VERSION}
     env["ciphertext"] = base64.b64encode(bytes(sealed)).decode()
     return json.dumps(env, separators=(",", ":")).encode()
 
@@ -84,8 +89,16 @@ def open_envelope(
         raise UnsupportedVersion(name, version, supported)
     if "ciphertext" in env:
         enc = env.get("encryption")
-        if not isinstance(enc, dict) or enc.get("alg") != ALG or not isinstance(enc.get("key_id"), str):
+        if (
+            not isinstance(enc, dict)
+            or enc.get("alg") != ALG
+            or not isinstance(enc.get("key_id"), str)
+            or not set(enc) <= {"alg", "key_id", "seal"}
+        ):
             raise error(f"{name}: malformed encryption header {enc!r}")
+        seal_version = enc.get("seal", SEAL_V1)
+        if type(seal_version) is not int or seal_version not in SEAL_VERSIONS:
+            raise UnsupportedVersion(f"{name}: sealed body", seal_version, SEAL_VERSIONS)
         if set(env) != {"format", "version", "encryption", "ciphertext"}:
             raise error(f"{name}: unexpected fields {sorted(set(env))}")
         if keyring is None:
@@ -99,7 +112,7 @@ def open_envelope(
             raw = base64.b64decode(ct, validate=True)
         except (binascii.Error, ValueError):
             raise IntegrityError(f"{name}: ciphertext is not valid base64", obj=name) from None
-        canon = bytes(keyring.open(raw, _aad(kind, version, name), obj=name))
+        canon = bytes(keyring.open(raw, _aad(kind, version, name), obj=name, purpose="document", version=seal_version))
         try:
             body = json.loads(canon)
         except (ValueError, RecursionError) as exc:

@@ -23,8 +23,9 @@ from ckpt.pack import BlobEntry, entries_to_rows, rows_to_entries
 from ckpt.store.base import Store
 
 KIND = "gpuckpt-index"
-VERSION = 1
-SUPPORTED = (1,)
+#: 2: encrypted bodies are sealed per document (FORMAT.md §10.1); 1 is still read
+VERSION = 2
+SUPPORTED = (1, 2)
 PREFIX = "index/"
 log = logging.getLogger("gpuckpt.index")
 #: index documents larger than this are not read (a gc rewrite of a large

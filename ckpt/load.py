@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 #: neighbouring blobs closer than this are fetched in one ranged read
 COALESCE_GAP = 1 * MiB
-#: ...as long as the read stays under this
-MAX_RANGE = 32 * MiB
+#: ...as long as the read stays under this: small enough that a few packs' worth of blocks (a
+#: restore's in-flight pages, stored together) still spread over every worker, and that the
+#: ranges in flight (``2 × workers``) hold at most 128 MiB
+MAX_RANGE = 8 * MiB
 #: no block decodes to more than this, whatever its manifest entry says
 MAX_BLOCK_BYTES = 4 << 30
 

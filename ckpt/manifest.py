@@ -10,8 +10,11 @@ timings. See FORMAT.md for the schema and the rules a reader applies.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import secrets
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -23,8 +26,9 @@ from ckpt.keys import Keyring
 from ckpt.pins import Pins
 
 KIND = "gpuckpt-manifest"
-VERSION = 1
-SUPPORTED = (1,)
+#: 2: encrypted bodies are sealed per document (FORMAT.md §10.1); 1 is still read
+VERSION = 2
+SUPPORTED = (1, 2)
 PREFIX = "manifests/"
 #: Readers refuse manifests larger than this before parsing them (override per call).
 DEFAULT_MAX_BYTES = 256 << 20
@@ -109,6 +113,24 @@ class Encryption(_Strict):
     key_id: str
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic collector paused while a manifest's tens of thousands of objects are built.
+
+    Each of them counts towards a collection, and the collections walk the
+    whole heap (a serving process's: torch's objects too): measured, they
+    took a 9,000-block manifest from 40 ms to 180 ms to decode, at random —
+    time a restore spends before its first block. Nothing here makes a cycle.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class Manifest(_Strict):
     """The checkpoint. Immutable once written."""
 
@@ -142,11 +164,12 @@ class Manifest(_Strict):
         """Parse and check a stored manifest; every failure names ``name`` and the cause."""
         if len(data) > max_bytes:
             raise ManifestError(f"{name}: {len(data)} bytes exceeds the manifest size limit {max_bytes}")
-        _, body = document.open_envelope(
-            data, kind=KIND, supported=SUPPORTED, name=name, keyring=keyring, error=ManifestError
-        )
         try:
-            m = cls.model_validate(body)
+            with _collector_paused():
+                _, body = document.open_envelope(
+                    data, kind=KIND, supported=SUPPORTED, name=name, keyring=keyring, error=ManifestError
+                )
+                m = cls.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])

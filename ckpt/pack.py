@@ -2,11 +2,16 @@
 
 Byte layout (all integers little-endian)::
 
-    header   16 bytes   b"GPCKPACK" | u32 version (1) | u32 reserved (0)
+    header   16 bytes   b"GPCKPACK" | u32 version (2) | u32 reserved (0)
     blobs    ...        stored blobs back to back, no framing
-    trailer  T bytes    the pack's own index: canonical JSON, or
-                        nonce | AES-GCM(JSON) | tag in an encrypted repository
+    trailer  T bytes    the pack's own index: JSON, or in an encrypted
+                        repository the JSON sealed (seal 2 in a version-2
+                        pack, seal 1 in a version-1 pack; FORMAT.md §10.1)
     footer   32 bytes   u64 T | XXH3-128 of the trailer (16 bytes) | b"GPCKEND1"
+
+Versions 1 and 2 differ only in how an encrypted trailer is sealed. Blobs
+carry their own seal version in their codec configuration, so a version-2
+pack (a gc repack) may hold blobs sealed either way.
 
 The trailer lets a reader (``verify``, an index rebuild) learn a pack's
 blobs from the pack alone; normal reads never touch it, since indexes and
@@ -23,12 +28,14 @@ from typing import Any
 import xxhash
 
 from ckpt.errors import FormatError, IntegrityError, UnsupportedVersion
-from ckpt.keys import Keyring
+from ckpt.keys import SEAL_V1, SEAL_V2, Keyring
 
 MAGIC = b"GPCKPACK"
 END_MAGIC = b"GPCKEND1"
-VERSION = 1
-SUPPORTED = (1,)
+VERSION = 2
+SUPPORTED = (1, 2)
+#: how a pack of each version seals its trailer
+_TRAILER_SEAL = {1: SEAL_V1, 2: SEAL_V2}
 HEADER = MAGIC + struct.pack("<II", VERSION, 0)
 HEADER_SIZE = len(HEADER)
 FOOTER_SIZE = 32
@@ -125,7 +132,11 @@ class PackWriter:
         rows, codecs = entries_to_rows(self.entries)
         trailer = json.dumps({"pack": self.id, "codecs": codecs, "blobs": rows}, separators=(",", ":")).encode()
         if keyring is not None:
-            trailer = bytes(keyring.seal(trailer, trailer_aad(self.id)))
+            trailer = bytes(
+                keyring.seal(
+                    trailer, trailer_aad(self.id, VERSION), purpose="pack-trailer", version=_TRAILER_SEAL[VERSION]
+                )
+            )
         tail = trailer + struct.pack("<Q", len(trailer)) + xxhash.xxh3_128_digest(trailer) + END_MAGIC
         end = self._len + len(tail)
         if end > len(self.buf):
@@ -135,8 +146,9 @@ class PackWriter:
         return memoryview(self.buf)[:end]
 
 
-def trailer_aad(pack_id: str) -> bytes:
-    return f"gpuckpt-pack-trailer/{VERSION}/{pack_id}".encode()
+def trailer_aad(pack_id: str, version: int) -> bytes:
+    """The trailer's additional data: binds it to its pack id and to the header's version."""
+    return f"gpuckpt-pack-trailer/{version}/{pack_id}".encode()
 
 
 def read_trailer(data: Buffer, pack_id: str, keyring: Keyring | None) -> list[BlobEntry]:
@@ -165,7 +177,11 @@ def read_trailer(data: Buffer, pack_id: str, keyring: Keyring | None) -> list[Bl
         raise IntegrityError(f"pack {name}: trailer checksum mismatch", obj=name)
     raw = bytes(trailer)
     if keyring is not None:
-        raw = bytes(keyring.open(raw, trailer_aad(pack_id), obj=name))
+        raw = bytes(
+            keyring.open(
+                raw, trailer_aad(pack_id, version), obj=name, purpose="pack-trailer", version=_TRAILER_SEAL[version]
+            )
+        )
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # also too deep, or ints over 4300 digits

@@ -150,7 +150,7 @@ def choose_pipeline(dtype: str, opts: SaveOptions, key_id: str | None) -> tuple[
         else:
             codecs.append(Zstd(opts.zstd_level))
     if key_id is not None:
-        codecs.append(AesGcm(key_id))
+        codecs.append(AesGcm.for_writing(key_id))
     return tuple(codecs)
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -54,6 +55,11 @@ def _client(sock: str | None) -> Any:
     if not sock:
         raise ckpt.ConfigError(f"no agent socket: pass --agent SOCKET or set ${AGENT_ENV}")
     return AgentClient(sock)
+
+
+def _safe(text: object) -> str:
+    """Repository- and worker-supplied text made safe for a terminal (see ``cli.main._safe``)."""
+    return str(_main()._safe(text))
 
 
 def _call(client: Any, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -128,9 +134,9 @@ def checkpoint_cmd(
     if json_:
         typer.echo(json.dumps(t))
     elif t["state"] == "done":
-        typer.echo(f"checkpoint {t['checkpoint']} saved (ticket {t['id']}, triggers {', '.join(t['triggers'])})")
+        typer.echo(_safe(f"checkpoint {t['checkpoint']} saved (ticket {t['id']}, triggers {', '.join(t['triggers'])})"))
     else:
-        typer.echo(f"checkpoint ticket {t['id']} {t['state']}; `gpuckpt status` shows its progress")
+        typer.echo(_safe(f"checkpoint ticket {t['id']} {t['state']}; `gpuckpt status` shows its progress"))
 
 
 def _wait_ticket(c: Any, t: dict[str, Any], *, show: bool) -> dict[str, Any]:
@@ -256,9 +262,9 @@ def restore_cmd(
                     table.add_row(x.rule, str(x.verdict), main._show(x.recorded), main._show(x.current))
                 main._console().print(table)
                 verdict = "warm: load the checkpoint's blocks" if not reasons else "cold: replay the ledger"
-                typer.echo(f"plan: {verdict}; {n_req} requests to resubmit, {m.sizes.blocks} blocks")
+                typer.echo(_safe(f"plan: {verdict}; {n_req} requests to resubmit, {m.sizes.blocks} blocks"))
                 for line in reasons:
-                    typer.echo(f"  {line}")
+                    typer.echo(_safe(f"  {line}"))
             if reasons:
                 raise typer.Exit(exitcodes.INCOMPATIBLE)
             return
@@ -304,12 +310,14 @@ def restore_cmd(
     if json_:
         typer.echo(json.dumps(report, default=str))
         return
-    typer.echo(f"restore of {m.id}: {'warm' if result.warm else 'cold (ledger replay)'}")
+    typer.echo(_safe(f"restore of {m.id}: {'warm' if result.warm else 'cold (ledger replay)'}"))
     for line in result.reasons:
-        typer.echo(f"  {line}")
+        typer.echo(_safe(f"  {line}"))
     if outputs:
         for rid, o in outputs.items():
-            typer.echo(f"  {rid}: {len(o['new_token_ids'])} new tokens, {o['cached_tokens']} prompt tokens from cache")
+            typer.echo(
+                _safe(f"  {rid}: {len(o['new_token_ids'])} new tokens, {o['cached_tokens']} prompt tokens from cache")
+            )
     elif result.requests:
         typer.echo(f"  {len(result.requests)} requests to resubmit (pass --worker-url to resubmit them)")
 
@@ -347,6 +355,19 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
+#: variables only the agent needs: the bucket's credentials (the AWS chain) and the agent's own settings
+AGENT_ONLY_PREFIXES = ("AWS_", "GPUCKPT_")
+
+
+def worker_environment(environ: Mapping[str, str], key_source: str | None) -> dict[str, str]:
+    """The environment ``launch`` gives the worker: its own, less the agent's secrets — the
+    ``AWS_*`` credentials, every ``GPUCKPT_*`` setting and the variable an ``env:NAME`` key
+    source names. A network-facing worker that is compromised then holds neither the key nor
+    the bucket (what else it needs — ``HF_TOKEN``, ``CUDA_*``, ``VLLM_*`` — it keeps)."""
+    drop = {key_source[len("env:") :]} if key_source and key_source.startswith("env:") else set()
+    return {k: v for k, v in environ.items() if not k.startswith(AGENT_ONLY_PREFIXES) and k not in drop}
+
+
 def launch_cmd(
     ctx: typer.Context,
     command: Annotated[list[str], typer.Argument(metavar="-- vllm serve MODEL [ARGS]...", help="The worker command.")],
@@ -372,8 +393,12 @@ def launch_cmd(
     main = _main()
     if not command:
         raise typer.BadParameter("give the worker command after --, e.g. -- vllm serve MODEL")
+    from agent import fs
+
     rdir = runtime_dir or default_runtime_dir()
-    rdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # sockets and staging go here: /tmp/gpuckpt-$UID (without XDG_RUNTIME_DIR) may have been made by
+    # someone else first, and is then refused, named — never adopted
+    fs.ensure_socket_dir(rdir)
     connector = rdir / f"{worker_id}-connector.sock"
     argv = vllm_serve_argv(command)
     if _flag_value(argv, "--kv-transfer-config") is not None:
@@ -398,7 +423,8 @@ def launch_cmd(
     _setup_daemon_logging("text")
     typer.echo(f"gpuckpt: starting worker: {shlex.join(argv)}", err=True)
     typer.echo(f"gpuckpt: agent socket {cfg.api.socket} (export {AGENT_ENV}={cfg.api.socket})", err=True)
-    worker = subprocess.Popen(argv, start_new_session=True)
+    # the worker gets the environment without what only the agent needs (the key, the bucket's credentials)
+    worker = subprocess.Popen(argv, start_new_session=True, env=worker_environment(os.environ, cfg.key))
     agent = agent_mod.Agent(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -71,7 +72,7 @@ def _fail(ctx: _click.Context, exc: ckpt.GpuckptError) -> NoReturn:
     message = _one_line(str(exc)) or type(exc).__name__
     if ctx.meta.get(_JSON_META):
         _emit_json({"error": {"type": type(exc).__name__, "message": message, "exit_code": code}})
-    typer.echo(f"gpuckpt: error: {message}", err=True)
+    typer.echo(f"gpuckpt: error: {_safe(message)}", err=True)
     raise typer.Exit(code)
 
 
@@ -197,16 +198,40 @@ def _size(n: int | None) -> str:
     raise AssertionError("unreachable")
 
 
+# Characters shown escaped in human output: controls (C0, DEL, C1), format
+# characters (bidi overrides and isolates, zero-width ones), surrogates, and
+# line and paragraph separators.
+_UNSAFE_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _safe(text: object) -> str:
+    """``text`` made safe for a terminal: every control or format character is shown
+    escaped (``\\x1b``, ``\\u202e``), so a string from the repository (a label, a pin, a
+    worker id, an error message quoting stored text) cannot move the cursor, clear the
+    screen or reorder what is shown. Every human-readable line and table cell that may
+    hold such a string passes through here; ``--json`` output does not (``json.dumps``
+    escapes control characters itself)."""
+    s = str(text)
+    if s.isprintable():  # the usual case: nothing to escape
+        return s
+    return "".join(_escape(ch) if unicodedata.category(ch) in _UNSAFE_CATEGORIES else ch for ch in s)
+
+
+def _escape(ch: str) -> str:
+    n = ord(ch)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
 def _show(value: object) -> str:
-    return "unknown" if value is None else str(value)
+    return "unknown" if value is None else _safe(value)
 
 
 def _kv_table(title: str, rows: Sequence[tuple[str, object]]) -> Table:
-    table = Table(title=title, title_justify="left", show_header=False)
+    table = Table(title=_safe(title), title_justify="left", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
     for k, v in rows:
-        table.add_row(k, _show(v))
+        table.add_row(_safe(k), _show(v))
     return table
 
 
@@ -370,7 +395,7 @@ def init_cmd(
             _emit_json({"repository": r.url, "id": r.config.id, "encrypted": r.encrypted, "key_id": key_id})
             return
         how = f"encrypted, key id {key_id}" if key_id else "not encrypted"
-        typer.echo(f"created repository {r.config.id} at {r.url} ({how})")
+        typer.echo(_safe(f"created repository {r.config.id} at {r.url} ({how})"))
 
 
 @key_app.command("generate")
@@ -466,7 +491,7 @@ def ls_cmd(
     if json_:
         _emit_json({"repository": url, "checkpoints": rows})
         return
-    table = Table(title=f"{len(rows)} checkpoint(s) in {url}", title_justify="left")
+    table = Table(title=_safe(f"{len(rows)} checkpoint(s) in {url}"), title_justify="left")
     for col in ("id", "worker", "created", "manifest"):
         table.add_column(col, justify="right" if col == "manifest" else "left", no_wrap=True)
     if long:
@@ -482,7 +507,7 @@ def ls_cmd(
                 _size(row["new_stored_bytes"]),
                 row["parent"] or "-",
             ]
-        table.add_row(*cells)
+        table.add_row(*map(_safe, cells))
     _console().print(table)
 
 
@@ -548,15 +573,20 @@ def inspect_cmd(
             table.add_column(col, no_wrap=col in ("key", "blob", "pack"))
         for b in m.blocks:
             table.add_row(
-                b.key,
-                b.blob[:16],
-                b.pack,
-                str(b.offset),
-                str(b.length),
-                str(b.raw_length),
-                b.dtype,
-                "x".join(map(str, b.shape)),
-                str(b.codec),
+                *map(
+                    _safe,
+                    (
+                        b.key,
+                        b.blob[:16],
+                        b.pack,
+                        str(b.offset),
+                        str(b.length),
+                        str(b.raw_length),
+                        b.dtype,
+                        "x".join(map(str, b.shape)),
+                        str(b.codec),
+                    ),
+                )
             )
         out.print(table)
 
@@ -598,7 +628,7 @@ def verify_cmd(
             table.add_column("blob")
             table.add_column("problem", overflow="fold")
             for p in report.problems:
-                table.add_row(p.obj, p.blob or "-", p.message)
+                table.add_row(_safe(p.obj), _safe(p.blob or "-"), _safe(p.message))
             _console().print(table)
             typer.echo(f"checked {what}: {len(report.problems)} problem(s) found")
     if not report.ok:
@@ -686,7 +716,7 @@ def compat_cmd(
             }
         )
     else:
-        table = Table(title=f"compatibility of {m.id}", title_justify="left")
+        table = Table(title=_safe(f"compatibility of {m.id}"), title_justify="left")
         for col in ("rule", "verdict", "checkpoint", "here"):
             table.add_column(col, overflow="fold")
         for res in decision.results:
@@ -695,7 +725,7 @@ def compat_cmd(
                 verdict += " (ignored)"
             elif res.verdict is Verdict.UNKNOWN and res.rule in policy.allow_unknown:
                 verdict += " (allowed)"
-            table.add_row(res.rule, verdict, _show(res.recorded), _show(res.current))
+            table.add_row(_safe(res.rule), verdict, _show(res.recorded), _show(res.current))
         _console().print(table)
         if worker is None:
             typer.echo("worker facts not given (--worker-facts): only the host was checked")
@@ -704,7 +734,7 @@ def compat_cmd(
         else:
             typer.echo("decision: warm restore refused (cold start with ledger replay):")
             for reason in decision.reasons:
-                typer.echo(f"  {reason}")
+                typer.echo(f"  {_safe(reason)}")
     if not decision.warm:
         raise typer.Exit(exitcodes.INCOMPATIBLE)
 
@@ -787,7 +817,7 @@ def gc_cmd(
             f"{len(report.rescued_packs)} rescued (a checkpoint committed since needs them)"
         )
     for line in report.unreadable:
-        typer.echo(f"  skipped (unreadable, left in place): {_one_line(line)}")
+        typer.echo(f"  skipped (unreadable, left in place): {_safe(_one_line(line))}")
 
 
 @app.command("unlock")
@@ -832,9 +862,9 @@ def unlock_cmd(
         _emit_json({"removed": [row(x) for x in removed], "live": [row(x) for x in left]})
         return
     for x in removed:
-        typer.echo(f"removed {x.describe()}")
+        typer.echo(f"removed {_safe(x.describe())}")
     for x in left:
-        typer.echo(f"kept (live) {x.describe()}")
+        typer.echo(f"kept (live) {_safe(x.describe())}")
     if not removed and not left:
         typer.echo("no locks")
 
@@ -890,7 +920,7 @@ def forget_cmd(
         for col in ("id", "worker", "created"):
             table.add_column(col, no_wrap=True)
         for c in removed:
-            table.add_row(c.id, c.worker_id, _created(c))
+            table.add_row(_safe(c.id), _safe(c.worker_id), _created(c))
         _console().print(table)
     verb = "would remove" if dry_run else "removed"
     tail = "" if dry_run or not removed else "; run 'gpuckpt gc' to reclaim their data"
@@ -911,7 +941,7 @@ def rm_cmd(
     if json_:
         _emit_json({"removed": {"id": info.id, "worker": info.worker_id, "created": info.created.isoformat()}})
         return
-    typer.echo(f"removed checkpoint {info.id} of worker {info.worker_id}; run 'gpuckpt gc' to reclaim its data")
+    typer.echo(_safe(f"removed checkpoint {info.id} of worker {info.worker_id}; run 'gpuckpt gc' to reclaim its data"))
 
 
 @app.command("stats")
@@ -928,7 +958,7 @@ def stats_cmd(
     if json_:
         _emit_json({"repository": url, **stats})
         return
-    table = Table(title=f"objects in {url}", title_justify="left")
+    table = Table(title=_safe(f"objects in {url}"), title_justify="left")
     table.add_column("kind")
     table.add_column("objects", justify="right")
     table.add_column("bytes", justify="right")

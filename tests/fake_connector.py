@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ class FakeConnector:
         self.swept = 0
         self.generation = 0  # bump to change some pages (new KV since the last capture)
         self.gate: threading.Event | None = None  # a capture waits on it when set
+        # a hostile connector: the capture reply names this path instead of the page file it wrote
+        self.name_index: Callable[[Path], str] | None = None
         self._server = control.ControlServer(sock, self.handle)
 
     def close(self) -> None:
@@ -104,7 +107,7 @@ class FakeConnector:
                 "seq": self.captures,
                 "chunk": 0,  # the whole capture in its consistent point's chunk
                 "last": True,
-                "index": str(w.index_path),
+                "index": self.name_index(w.index_path) if self.name_index else str(w.index_path),
                 "ledger": ledger,
                 "step": self.captures,
                 "pages": len(idx.keys),

@@ -98,7 +98,7 @@ def test_base_manifest_decodes() -> None:
     assert BASE.decode(BASE.seal(BASE.body)) == BASE.m
 
 
-@pytest.mark.parametrize("version", [2, 0, -1, "1", 1.0, None, True, [1]])
+@pytest.mark.parametrize("version", [3, 0, -1, "1", 1.0, None, True, [1]])
 def test_unknown_manifest_version(version: Any) -> None:
     with pytest.raises(UnsupportedVersion) as ei:
         BASE.decode(BASE.env_bytes(version=version))

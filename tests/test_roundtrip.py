@@ -12,6 +12,7 @@ import torch
 
 from ckpt import Block, Keyring, Manifest, Repository, SaveOptions
 from ckpt.blocks import DTYPES
+from ckpt.keys import SEAL_OVERHEAD, SEAL_VERSION
 from ckpt.pack import HEADER_SIZE, read_trailer
 from ckpt.store import LocalStore
 from ckpt.store.base import Store
@@ -98,7 +99,7 @@ def assert_pipelines(m: Manifest, blocks: list[Block], codec: str, encrypted: bo
             if CODECS[codec]["compression"] == "zstd":
                 assert ref.length < ref.raw_length
         if names == raw_names(encrypted):
-            assert ref.length == ref.raw_length + (28 if encrypted else 0)
+            assert ref.length == ref.raw_length + (SEAL_OVERHEAD[SEAL_VERSION] if encrypted else 0)
         assert ref.raw_length == dtypes[ref.key].nbytes
 
 
@@ -254,7 +255,7 @@ def test_incompressible_data_falls_back_to_raw_pipeline(tmp_path: Any, encrypted
     for n in noise:
         ref = refs[n.key.hex()]
         assert pipeline_names(m, ref.codec) == raw_names(encrypted)
-        assert ref.length == ref.raw_length + (28 if encrypted else 0)
+        assert ref.length == ref.raw_length + (SEAL_OVERHEAD[SEAL_VERSION] if encrypted else 0)
     assert pipeline_names(m, refs[kv.key.hex()].codec) == expected_names("bfloat16", "zstd+byteplane", encrypted)
     for lb in repo.load(m.id):
         want = next(b for b in [*noise, kv] if b.key == lb.key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import json
 import re
 import shutil
 import subprocess
@@ -68,7 +69,50 @@ def test_agent_unit_stops_before_its_worker_and_outlasts_the_final_checkpoint() 
 def test_example_config_validates_and_names_the_worker_units_socket() -> None:
     cfg = config_mod.load(SYSTEMD / "agent.example.toml")
     worker = (SYSTEMD / "vllm-worker@.service").read_text()
-    sock = re.search(r'"control_socket": "([^"]+)"', worker)
-    assert sock is not None
-    assert str(cfg.connector_socket) == sock.group(1).replace("%i", cfg.worker_id)
+    extra = re.search(r"--kv-transfer-config '([^']+)'", worker)
+    assert extra is not None
+    conn = json.loads(extra.group(1).replace("%i", cfg.worker_id))["kv_connector_extra_config"]
+    assert str(cfg.connector_socket) == conn["control_socket"]
+    assert str(cfg.staging_dir) == conn["staging_dir"]
+    assert cfg.shared_group == conn["shared_group"]
     assert cfg.api.mode == 0o660
+
+
+def test_worker_and_agent_are_two_accounts_and_only_the_agent_gets_the_secrets() -> None:
+    agent, worker = unit("gpuckpt-agent@.service")["Service"], unit("vllm-worker@.service")["Service"]
+    assert agent["User"] != worker["User"]
+    shared = worker["Group"]
+    assert shared in agent["SupplementaryGroups"].split()
+    # the key and the bucket's credentials: systemd credentials of the agent's unit, by path
+    creds = (SYSTEMD / "gpuckpt-agent@.service").read_text()
+    assert "LoadCredential=repo-key:" in creds
+    assert "GPUCKPT_AGENT__KEY=file:%d/repo-key" in creds
+    assert "AWS_SHARED_CREDENTIALS_FILE=%d/" in creds
+    assert "EnvironmentFile" not in agent, "secrets in an environment file end up in /proc/<pid>/environ"
+    wtext = (SYSTEMD / "vllm-worker@.service").read_text()
+    assert "LoadCredential" not in wtext
+    assert "--host 127.0.0.1" in wtext, "the example worker serves loopback only"
+    for s in (agent, worker):
+        assert s["ProtectProc"] == "invisible"
+    for text in (creds, wtext):
+        assert "\nSystemCallFilter=@system-service\n" in text
+    sysusers = (SYSTEMD / "gpuckpt.sysusers").read_text().split("\n")
+    assert f"m {agent['User']} {shared}" in sysusers
+    assert f"m {worker['User']} {shared}" in sysusers
+
+
+#: `systemd-analyze security` exposure levels the units keep (0 safest, 10 most exposed), as in docs/agent.md
+MAX_EXPOSURE = {"gpuckpt-agent@.service": 2.0, "vllm-worker@.service": 2.5}
+
+
+@pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed (.ci/run installs it)")
+def test_units_are_rated_well_by_systemd_analyze_security(tmp_path: Path) -> None:
+    for src, limit in MAX_EXPOSURE.items():
+        dst = tmp_path / src.replace("@.", "@gpu0.")
+        dst.write_text((SYSTEMD / src).read_text())
+        r = subprocess.run(
+            [ANALYZE, "security", "--offline=yes", "--no-pager", dst.name], capture_output=True, text=True, cwd=tmp_path
+        )
+        m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
+        assert m is not None, r.stdout[-2000:] + r.stderr[-2000:]
+        assert float(m.group(1)) <= limit, f"{src}: exposure {m.group(1)} > {limit}"

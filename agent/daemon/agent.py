@@ -285,6 +285,7 @@ class Agent:
                 timeout=self.cfg.checkpoint.capture_timeout.total_seconds(),
                 max_staging=self.cfg.checkpoint.max_staging,
                 copy_per_step=self.cfg.checkpoint.copy_per_step,
+                where=self._staging(),
                 canary=canary,
                 deadline=deadline,
                 progress=progress,
@@ -328,6 +329,13 @@ class Agent:
         )
         self.notifier.status(self._status_line())
         self._retention()
+
+    def _staging(self) -> Any:
+        """Where the connector's page files may be and whom to trust with them (``driver.Staging``)."""
+        from agent.engines.vllm import driver
+        from agent.fs import Trust
+
+        return driver.Staging(self.cfg.staging_dir, Trust.of(self.cfg.shared_group))
 
     def _canary_record(self, client: Any) -> dict[str, Any] | None:
         """The worker's canary, probed once per worker process and reused by every checkpoint."""
@@ -422,6 +430,7 @@ class Agent:
                 copy_per_step=c.copy_per_step,
                 max_staging=c.max_staging,
                 deadline=time.monotonic() + c.deadline.total_seconds(),
+                where=self._staging(),
             )
             self.last_precopy = {"at": _now(), **out}
             self.metrics.precopy_bytes.inc(int(out.get("new_raw_bytes") or 0))
@@ -463,15 +472,25 @@ class Agent:
             log.info("removed stale capture page files", extra={"files": len(removed)})
 
     def _wait_for_worker(self, budget: float) -> bool:
+        from agent import fs
         from agent.engines.vllm import driver
 
         end = time.monotonic() + budget
+        warned = False
         while time.monotonic() < end and not self._stopping.is_set():
             try:
+                # a connector socket someone else could have made is never talked to
+                fs.check_socket(self.cfg.connector_socket, self._staging().trust)
                 driver.describe(self.cfg.connector_socket)
                 self.worker.update(attached=True, last_seen=_now(), error=None)
                 self._sweep_staging()
                 return True
+            except fs.UnsafePath as exc:
+                self.worker.update(attached=False, error=_describe(exc))
+                if not warned:
+                    log.error("refusing the connector socket", extra={"error": str(exc)})
+                    warned = True
+                time.sleep(0.5)
             except (OSError, ValueError, RuntimeError) as exc:
                 self.worker.update(attached=False, error=_describe(exc))
                 time.sleep(0.5)
@@ -513,6 +532,7 @@ class Agent:
                 require_canary=self.cfg.restore.require_canary,
                 offer_ttl=self.cfg.restore.offer_ttl.total_seconds(),
                 max_staging=self.cfg.restore.max_staging,
+                trust=self._staging().trust,
             )
         except Exception as exc:
             rep.update(outcome="failed", reasons=[_describe(exc)])

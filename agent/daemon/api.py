@@ -10,26 +10,52 @@ POST     /checkpoint                 body ``{"trigger": "request"|"drain"}`` (op
 GET      /checkpoint/<ticket>        the ticket: state, progress, checkpoint id or error
 GET      /checkpoints                this worker's checkpoints, newest last
 GET      /restore                    the restore-at-start report, with results
-GET      /restore/plan?checkpoint=R  compatibility of R with this host and worker
+GET      /restore/plan?checkpoint=R  compatibility of R (one of this worker's own
+                                     checkpoints; default latest) with this host and worker
 =======  ==========================  ===========================================
 
 Errors are ``{"error": {"type", "message"}}`` with 400 (malformed), 404,
-405, 413 (body over 64 KiB), 409 (agent stopping) or 500. A thread per
-connection, so status keeps answering while a checkpoint runs. The socket
-is created with the configured mode (0660 by default) under a umask, never
-world-accessible; its group can be set so operators in it may use the CLI.
+405, 408 (request not received in time), 409 (agent stopping), 413 (body
+over 64 KiB), 414/431 (request line or a header over 64 KiB), 500 or 503
+(at the connection limit). The socket is created with the configured mode
+(0660 by default) under a umask, never world-accessible; its group can be
+set so operators in it may use the CLI.
+
+Bounds (any member of the socket's group can connect, so a slow or hostile
+client costs a bounded amount and the API keeps answering the others):
+
+- Threads: each connection is served by its own thread, at most
+  ``max_threads`` (32) at once, so status keeps answering while a checkpoint
+  runs. When all are taken, a new connection takes the place of one that is
+  waiting for a request (one that has sent nothing of it first, then the one
+  that made progress least recently), which is closed (503 if part of a
+  request had come); a request being handled is never dropped. When every
+  thread is handling a request, the new connection is answered 503 and
+  closed. The kernel's accept backlog (64) holds connections not yet accepted.
+- Time: a request's line, headers and body must arrive whole within
+  ``request_timeout`` (10 s) of the connection being ready for it (accepted,
+  or the previous response sent); then 408, or a silent close for an idle
+  keep-alive connection. Handling is not limited here (no endpoint
+  long-polls; ``/restore/plan`` asks the connector, ``/checkpoints`` lists
+  the repository); a response must be taken within 30 s.
+- Size: request line and each header 64 KiB (``http.server``'s limits, at
+  most 100 headers), body 64 KiB.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
+import io
 import json
 import logging
 import os
 import socket
 import socketserver
+import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -40,15 +66,194 @@ import httpx
 
 if TYPE_CHECKING:
     from agent.daemon.agent import Agent
+    from ckpt.manifest import Manifest
 
 log = logging.getLogger("gpuckpt.agent.api")
 MAX_BODY = 64 << 10
+MAX_THREADS = 32
+REQUEST_TIMEOUT = 10.0
+WRITE_TIMEOUT = 30.0
 
 
-class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
+class _Slot:
+    """One served connection. ``reading``, ``evicted`` and the request's progress
+    (``deadline``, ``got``, ``since``) are the server's to read when it picks one to drop."""
+
+    __slots__ = ("deadline", "evicted", "got", "reading", "since", "sock", "thread")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reading = True  # waiting for (the rest of) a request: may be dropped for a new connection
+        self.evicted = False
+        self.deadline = 0.0
+        self.got = 0  # bytes of the current request received
+        self.since = time.monotonic()  # last progress
+        self.thread: threading.Thread | None = None  # the accept loop's to set and join
+
+
+class _Dropped(Exception):
+    """The current request will not arrive (deadline passed, or dropped for a new connection)."""
+
+    def __init__(self, status: HTTPStatus, message: str, *, started: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.started = started  # part of the request came: the client is told why
+
+
+class _Server(socketserver.UnixStreamServer):
+    """A thread per connection, at most ``max_threads`` (see the module docstring)."""
+
     allow_reuse_address = False
+    request_queue_size = 64  # the kernel's accept backlog
     agent: Agent
+
+    def __init__(self, path: str, *, max_threads: int, request_timeout: float) -> None:
+        self.max_threads = max_threads
+        self.request_timeout = request_timeout
+        self._lock = threading.Lock()
+        self.slots: dict[socket.socket, _Slot] = {}
+        super().__init__(path, _Handler)
+
+    def get_request(self) -> tuple[Any, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # let connections close before trying again
+                log.warning("api: accept failed: %s", exc)
+                time.sleep(0.1)
+            raise
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        slot = self._admit(request)
+        if slot is None:
+            _refuse(request, self.max_threads)
+            return
+        slot.thread = threading.Thread(
+            target=self._serve_one, args=(request, client_address, slot), name="gpuckpt-api-conn", daemon=True
+        )
+        try:
+            slot.thread.start()
+        except BaseException:
+            self._release(slot)
+            raise
+
+    def _admit(self, sock: socket.socket) -> _Slot | None:
+        victim = None
+        with self._lock:
+            if len(self.slots) >= self.max_threads:
+                waiting = [s for s in self.slots.values() if s.reading and not s.evicted]
+                if waiting:
+                    victim = min(waiting, key=lambda s: (s.got > 0, s.since))
+                    victim.evicted = True
+                    with contextlib.suppress(OSError):
+                        victim.sock.shutdown(socket.SHUT_RD)  # its blocked recv returns at once
+        if victim is not None and victim.thread is not None:
+            victim.thread.join(timeout=5.0)  # gone before another starts: threads are bounded, not only slots
+        with self._lock:
+            if len(self.slots) >= self.max_threads:
+                return None
+            slot = self.slots[sock] = _Slot(sock)
+            return slot
+
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            self.slots.pop(slot.sock, None)
+
+    def _serve_one(self, request: Any, client_address: Any, slot: _Slot) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self._release(slot)
+            self.shutdown_request(request)
+
+    def reading(self, slot: _Slot) -> None:
+        """The connection waits for a new request: a fresh deadline, and it may be dropped."""
+        with self._lock:
+            slot.reading = True
+            slot.got = 0
+            slot.since = time.monotonic()
+            slot.deadline = slot.since + self.request_timeout
+
+    def handling(self, slot: _Slot) -> bool:
+        """The request has come whole; False if the connection was dropped meanwhile."""
+        with self._lock:
+            slot.reading = False
+            return not slot.evicted
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # the client went away or stopped reading
+            log.debug("api: connection dropped: %s", exc)
+        else:
+            log.exception("api: connection failed")
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._lock:
+            slots = [s for s in self.slots.values() if s.reading]
+        for s in slots:  # threads waiting for a request end now; running requests finish
+            with contextlib.suppress(OSError):
+                s.sock.shutdown(socket.SHUT_RD)
+
+
+def _refuse(sock: socket.socket, limit: int) -> None:
+    """Answer 503 without waiting (it fits the socket buffer) and close."""
+    body = json.dumps(
+        {
+            "error": {
+                "type": HTTPStatus.SERVICE_UNAVAILABLE.phrase,
+                "message": f"the agent is handling {limit} requests, its limit; try again",
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(head.encode() + body)
+    sock.close()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The request socket, read under the current request's deadline (see :meth:`_Server.reading`)."""
+
+    def __init__(self, server: _Server, slot: _Slot) -> None:
+        self._server = server
+        self._slot = slot
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        slot = self._slot
+        left = slot.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            slot.sock.settimeout(left)
+            n = slot.sock.recv_into(b)
+        except TimeoutError:
+            raise _Dropped(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request did not arrive whole within {self._server.request_timeout:g} s",
+                started=slot.got > 0,
+            ) from None
+        if n == 0 and slot.evicted:
+            raise _Dropped(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"connection dropped for a new one: {self._server.max_threads} were open "
+                "and this one had waited longest for its request",
+                started=slot.got > 0,
+            )
+        # Read without the lock when a connection is picked to drop: a stale value
+        # only changes which waiting connection goes.
+        slot.got += n
+        slot.since = time.monotonic()
+        return n
 
 
 class ApiError(Exception):
@@ -61,7 +266,24 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     server_version = "gpuckpt-agent"
-    timeout = 30  # a client that stops sending is dropped, not kept forever
+
+    def setup(self) -> None:
+        super().setup()
+        self.slot = self.server.slots[self.request]
+        self.rfile.close()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.server, self.slot))
+
+    def handle_one_request(self) -> None:
+        self.server.reading(self.slot)
+        self.requestline = self.request_version = ""  # until parse_request: what an early error response needs
+        try:
+            super().handle_one_request()
+        except _Dropped as exc:
+            self.close_connection = True
+            log.debug("api: %s", exc)
+            if exc.started:  # an idle keep-alive connection is closed without a word
+                with contextlib.suppress(OSError):
+                    self._error(exc.status, str(exc))
 
     def address_string(self) -> str:  # Unix sockets have no client address
         return "unix"
@@ -70,20 +292,24 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("api: " + format, *args)
 
     def _send(self, status: HTTPStatus, body: Any) -> None:
+        self.connection.settimeout(WRITE_TIMEOUT)  # a client that does not take its response is dropped
         data = json.dumps(body, default=str).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, status: HTTPStatus, message: str) -> None:
         self._send(status, {"error": {"type": status.phrase, "message": message}})
 
-    def _body(self) -> dict[str, Any]:
+    def _read_body(self) -> bytes:
+        """The whole body, read before handling (under the request's deadline)."""
         n = self.headers.get("Content-Length")
         if not n:
-            return {}
+            return b""
         try:
             size = int(n)
         except ValueError:
@@ -91,20 +317,23 @@ class _Handler(BaseHTTPRequestHandler):
         if size < 0 or size > MAX_BODY:
             raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {size} bytes; at most {MAX_BODY}")
         raw = self.rfile.read(size)
-        if not raw:
-            return {}
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
-        return body
+        if len(raw) < size:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"body ended after {len(raw)} of {size} bytes")
+        return raw
 
     def _dispatch(self, method: str) -> None:
         try:
+            raw = self._read_body()
+        except ApiError as exc:
+            self.close_connection = True  # the body was not read: the connection cannot carry another request
+            self._error(exc.status, str(exc))
+            return
+        if not self.server.handling(self.slot):
+            self.close_connection = True  # dropped for a new connection as the request completed
+            return
+        try:
             url = urlsplit(self.path)
-            status, body = route(self.server.agent, method, url.path, parse_qs(url.query), self._body)
+            status, body = route(self.server.agent, method, url.path, parse_qs(url.query), lambda: _parse_body(raw))
             self._send(status, body)
         except ApiError as exc:
             self._error(exc.status, str(exc))
@@ -119,9 +348,22 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
     def do_PUT(self) -> None:
+        self.close_connection = True  # its body, if any, is not read
         self._error(HTTPStatus.METHOD_NOT_ALLOWED, "use GET or POST")
 
     do_DELETE = do_PATCH = do_PUT
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+    return body
 
 
 def route(agent: Agent, method: str, path: str, query: dict[str, list[str]], body: Any) -> tuple[HTTPStatus, Any]:
@@ -166,12 +408,7 @@ def restore_plan(agent: Agent, ref: str) -> dict[str, Any]:
     from agent.engines.vllm import driver
     from ckpt import Pins, Policy, decide, host_facts
 
-    assert agent.repo is not None
-    ref = f"{agent.cfg.worker_id}:latest" if ref == "latest" else ref
-    try:
-        m = agent.repo.manifest(ref)
-    except Exception as exc:
-        raise ApiError(HTTPStatus.NOT_FOUND, f"checkpoint {ref}: {exc}") from None
+    m = _own_manifest(agent, ref)
     try:
         desc = driver.describe(agent.cfg.connector_socket)
     except (OSError, ValueError, RuntimeError) as exc:
@@ -200,14 +437,50 @@ def restore_plan(agent: Agent, ref: str) -> dict[str, Any]:
     }
 
 
+def _own_manifest(agent: Agent, ref: str) -> Manifest:
+    """Checkpoint ``ref`` (``latest``, an id or unique id prefix, ``W:latest`` or ``W/ID``)
+    among this agent's worker's checkpoints only: whoever may use the socket must not
+    read other workers' pins through it."""
+    from ckpt import CheckpointNotFound
+
+    assert agent.repo is not None
+    wid = agent.cfg.worker_id
+    try:
+        if ref in ("latest", f"{wid}:latest"):
+            return agent.repo.latest(wid)[1]
+        if ref.startswith(f"{wid}/"):  # WORKER/ID: exactly that id
+            found = [c for c in agent.repo.list(wid) if c.id == ref.removeprefix(f"{wid}/")]
+        else:  # an id or a unique prefix of one (another worker's W/ID or W:latest matches nothing)
+            found = [c for c in agent.repo.list(wid) if c.id.startswith(ref)] if ref else []
+        if not found:
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no checkpoint of worker {wid} matches {ref!r}")
+        if len(found) > 1:
+            shown = ", ".join(c.id for c in found[:5])
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"checkpoint reference {ref!r} is ambiguous: {shown}")
+        return agent.repo.manifest(found[0])
+    except CheckpointNotFound as exc:
+        raise ApiError(HTTPStatus.NOT_FOUND, f"checkpoint {ref!r} of worker {wid}: {exc}") from None
+
+
 class ApiServer:
     """Serves :func:`route` on a Unix socket in a background thread."""
 
-    def __init__(self, agent: Agent, path: Path, *, mode: int = 0o660, group: str | None = None) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        path: Path,
+        *,
+        mode: int = 0o660,
+        group: str | None = None,
+        max_threads: int = MAX_THREADS,
+        request_timeout: float = REQUEST_TIMEOUT,
+    ) -> None:
         self.agent = agent
         self.path = Path(path)
         self.mode = mode
         self.group = group
+        self.max_threads = max_threads
+        self.request_timeout = request_timeout
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -220,7 +493,7 @@ class ApiServer:
         # Created with the final mode: no window in which the socket is wider open.
         old = os.umask(0o777 & ~self.mode)
         try:
-            srv = _Server(str(self.path), _Handler)
+            srv = _Server(str(self.path), max_threads=self.max_threads, request_timeout=self.request_timeout)
         finally:
             os.umask(old)
         os.chmod(self.path, self.mode)
@@ -264,8 +537,10 @@ class AgentClient:
 
     def __init__(self, path: str | os.PathLike[str], timeout: float = 30.0) -> None:
         self.path = str(path)
+        # retries: a connect refused because the accept backlog is full (EAGAIN, under a flood
+        # of connections) is tried again at once and after 0.5 s before it is an error.
         self._http = httpx.Client(
-            transport=httpx.HTTPTransport(uds=self.path), base_url="http://agent", timeout=timeout
+            transport=httpx.HTTPTransport(uds=self.path, retries=2), base_url="http://agent", timeout=timeout
         )
 
     def close(self) -> None:

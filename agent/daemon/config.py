@@ -175,6 +175,16 @@ class AgentConfig(BaseSettings):
     key: str | None = Field(None, description="key source: file:/path or env:NAME")
     engine: Literal["vllm"] = "vllm"
     connector_socket: Path
+    staging_dir: Path | None = Field(
+        None,
+        description="the worker's staging directory (its connector's staging_dir): the page files the "
+        "connector names are read only from there (default: any directory closed to other accounts)",
+    )
+    shared_group: str | None = Field(
+        None,
+        description="the group the worker's and the agent's accounts share when they are two accounts "
+        "(connector socket, staging): files of that group are trusted, and restore staging is made for it",
+    )
     worker_url: str | None = Field(None, description="the worker's OpenAI-compatible API, for canary and resubmission")
     api: ApiConfig
     metrics_address: str | None = Field(None, description="host:port for /metrics; off when unset")

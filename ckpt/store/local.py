@@ -3,7 +3,10 @@
 Durability follows the classic recipe: write a temp file beside the target,
 ``fsync`` it, move it into place (``rename`` to overwrite, ``link`` for a
 conditional create, which fails atomically when the name is taken), then
-``fsync`` the directory so the new entry survives a power cut. Temp files
+``fsync`` the directory so the new entry survives a power cut. A delete
+likewise ``fsync``s the directory it removed the name from before it returns:
+gc deletes references before data (FORMAT.md §9) and relies on the first
+delete being durable before it makes the second. Temp files
 carry ``#`` in their name, which no valid object name can, so they are never
 listed or mistaken for objects; :meth:`LocalStore.cleanup` removes those left
 by a killed process.
@@ -267,17 +270,27 @@ class LocalStore(Store):
                 yield ObjectInfo(name=rel, size=st.st_size, mtime=st.st_mtime)
 
     def delete(self, name: str) -> None:
+        """Remove the object; durable (the directory is fsynced) when this returns.
+
+        A missing object is not an error, and its directory is still synced:
+        the name may be gone because another process unlinked it and has not
+        synced yet, and a caller (gc) proceeds on our return.
+        """
         path = self._path(name)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            if self._fsync:
+                # A missing directory holds no entry to make durable.
+                with contextlib.suppress(FileNotFoundError):
+                    _fsync_dir(path.parent)
         except OSError as exc:
             raise _map_oserror(exc, name, "deleting") from exc
 
     def cleanup(self, older_than: float) -> int:
         removed = 0
         for dirpath, _dirs, files in os.walk(self.root):
+            here = 0
             for f in files:
                 if _TMP_MARK not in f:
                     continue
@@ -285,7 +298,12 @@ class LocalStore(Store):
                 try:
                     if os.stat(p).st_mtime < older_than:
                         os.unlink(p)
-                        removed += 1
+                        here += 1
                 except FileNotFoundError:
                     continue
+            if here and self._fsync:
+                # Once per directory, like a delete: the removal is durable when cleanup returns.
+                with contextlib.suppress(FileNotFoundError):
+                    _fsync_dir(Path(dirpath))
+            removed += here
         return removed

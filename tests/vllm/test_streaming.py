@@ -133,7 +133,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             if late:
                 # the in-flight requests' pages at the back of the stream, after the whole prefix cache
                 with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(driver, "_first_keys", lambda sock, m: _canary_keys(sock, m))
+                    mp.setattr(driver, "_first_keys", lambda sock, m: ([], _canary_keys(sock, m)))
                     plan = driver.restore(
                         repo, m.id, w.control_socket, staging_dir=str(stage), generate=w.client.generate
                     )

@@ -137,6 +137,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from agent import fs
 from agent.engines.vllm import control, staging
 from agent.engines.vllm.capture import (
     DEFAULT_COPY_PER_STEP,
@@ -150,6 +151,7 @@ from agent.engines.vllm.capture import (
 from agent.engines.vllm.copier import Gathered, PageCopier
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
 from agent.engines.vllm.shards import Heads, full_shape, local_heads
+from agent.fs import Trust
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -320,6 +322,9 @@ class GpuckptConnector(KVConnectorBase_V1):
         # staging directory without talking: derive it from the control socket.
         tag = hashlib.sha256(str(extra.get("control_socket", "")).encode()).hexdigest()[:12]
         self._staging_dir = str(extra.get("staging_dir") or staging.default_dir(f"vllm-{tag}"))
+        # Who may own the staging directory and the page files offered to us: this account and
+        # root, plus the shared group's members where worker and agent are two accounts.
+        self._trust = Trust.of(extra.get("shared_group") or None)
         pc = vllm_config.parallel_config
         self._tp = int(pc.tensor_parallel_size)
         self._pp = int(pc.pipeline_parallel_size)
@@ -400,8 +405,19 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._copier: PageCopier | None = None
         self._files: dict[str, staging.PageFile] = {}
         self._load_errors: set[int] = set()
+        self._facts_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER and extra.get("control_socket"):
-            self._server = control.ControlServer(extra["control_socket"], self._handle)
+            sock = Path(extra["control_socket"])
+            # never in a directory another account made or can write to (it could answer for us)
+            fs.ensure_socket_dir(sock.parent, self._trust)
+            self._server = control.ControlServer(sock, self._handle)
+            if self._trust.gid is not None:  # two accounts: the agent's reaches it through the group
+                os.chown(sock, -1, self._trust.gid)
+                os.chmod(sock, 0o660)
+            # The description (model digests, the ranks' reports) is worked out now, beside the
+            # engine's start, not on the first ``describe``: a restore at start asks for it
+            # first, and every second of it would come before the first resumed token.
+            threading.Thread(target=self._warm_describe, name="gpuckpt-describe", daemon=True).start()
 
     # ------------------------------------------------------------------ scheduler half
 
@@ -1075,7 +1091,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         # null index offers request state alone (a cold replay).
         keys: list[bytes] = []
         if req.get("index"):
-            pf = staging.PageFile(req["index"])
+            pf = staging.PageFile(req["index"], trust=self._trust)
             try:
                 keys = list(pf.index.keys)
             finally:
@@ -1197,9 +1213,16 @@ class GpuckptConnector(KVConnectorBase_V1):
             }
 
     def _describe(self) -> dict[str, Any]:
-        if self._facts_cache is None:
-            self._facts_cache = describe(self._vllm_config, self._kv_cache_config, self._staging_dir)
-        return self._facts_cache
+        with self._facts_lock:  # one computation, whoever asks first (the warm-up or a command)
+            if self._facts_cache is None:
+                self._facts_cache = describe(self._vllm_config, self._kv_cache_config, self._staging_dir)
+            return self._facts_cache
+
+    def _warm_describe(self) -> None:
+        try:
+            self._describe()
+        except Exception:  # the ``describe`` command computes it again and reports the error
+            log.debug("gpuckpt: describing the worker ahead of time failed", exc_info=True)
 
     def shutdown(self) -> None:
         if self._server is not None:
@@ -1286,7 +1309,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             "dtype": self._dtype(),
             "runner": type(self._runner).__name__,
         }
-        d = staging.ensure_dir(self._staging_dir)
+        d = staging.ensure_dir(self._staging_dir, self._trust)
         tmp = d / f".worker-r{self._rank}.json.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -1348,7 +1371,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             try:
                 pf = self._files.get(index_path)
                 if pf is None:
-                    pf = self._files[index_path] = staging.PageFile(index_path)
+                    pf = self._files[index_path] = staging.PageFile(index_path, trust=self._trust)
                 if tuple(pf.index.page_shape) != shape or pf.index.dtype != self._dtype():
                     raise ValueError(f"page {pf.index.page_shape} {pf.index.dtype} != {shape} {self._dtype()}")
                 pages.append(pf.page(bytes.fromhex(key_hex)))
@@ -1482,6 +1505,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 dtype=self._dtype(),
                 page_shape=self._page_shape(),
                 layers=[n for n, _ in self._kv],
+                trust=self._trust,
             )
             for (key_hex, _), page in zip(cap.pages, gathered.pages(), strict=True):
                 w.write(bytes.fromhex(key_hex), page)

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from agent.engines.vllm import control, shards, staging
 from agent.engines.vllm.capture import save_queue_bound
 from agent.engines.vllm.ledger import read as read_ledger
 from agent.engines.vllm.ledger import resubmissions
+from agent.fs import Trust
 from ckpt import (
     Block,
     BlockFailure,
@@ -64,16 +67,27 @@ def describe(sock: Socket) -> WorkerDescription:
     return WorkerDescription(WorkerFacts.model_validate(r["facts"]), r["layout"], r["namespace"])
 
 
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """Where the connector's page files may be, and who may own them: the staging directory the
+    worker was configured with (``None``: any directory :func:`agent.fs.check_dir` accepts) and
+    the accounts trusted with it (the shared group's, where worker and agent are two accounts)."""
+
+    directory: str | os.PathLike[str] | None = None
+    trust: Trust = dataclasses.field(default_factory=Trust.of)
+
+
 class _Chunk:
     """One chunk of a capture stream: every rank's page file of the same pages, opened and checked."""
 
-    def __init__(self, reply: dict[str, Any], tp: int) -> None:
+    def __init__(self, reply: dict[str, Any], tp: int, where: Staging) -> None:
         self.number = int(reply.get("chunk", 0))
         self.recs = reply.get("shards") or [{"rank": 0, "index": reply["index"]}]
         self.files: list[staging.PageFile] = []
         try:
             for rec in self.recs:
-                self.files.append(staging.PageFile(rec["index"]))
+                # the connector names the files: only those in the staging directory, ours to read
+                self.files.append(staging.PageFile(rec["index"], directory=where.directory, trust=where.trust))
             first = self.files[0].index
             self.shard_shape = tuple(first.page_shape)
             self.head_axis = int(self.recs[0].get("head_axis", 0))
@@ -110,9 +124,8 @@ class _Chunk:
         that block is released: the save's own budget bounds those)."""
         for pf in self.files:
             pf.close()
-        for rec in self.recs:
-            if rec.get("index"):
-                staging.unlink_pair(rec["index"])
+            # only files that passed the checks: a path the reply names is not deleted on its word
+            staging.unlink_pair(pf.index_path)
 
 
 def capture(
@@ -124,6 +137,7 @@ def capture(
     prefix_only: bool = False,
     max_staging: int | None = None,
     copy_per_step: int | None = None,
+    where: Staging | None = None,
 ) -> Capture:
     """Ask the connector for a snapshot at the next step boundary.
 
@@ -149,8 +163,12 @@ def capture(
     (acknowledged after a commit, or offered by a restore) are not copied and
     come as :class:`ckpt.Existing` blocks; ``full`` copies every page.
     ``prefix_only`` (a pre-copy) copies the cached full blocks that are not
-    durable and records no ledger.
+    durable and records no ledger. Page files are read only from ``where``
+    (see :class:`Staging`): a reply naming a file elsewhere, behind a
+    symlink, or owned by an untrusted account is refused
+    (:class:`agent.fs.UnsafePath`), and such a file is never deleted.
     """
+    where = where or Staging()
     t0 = time.monotonic()
     r = control.call(
         sock,
@@ -184,7 +202,7 @@ def capture(
         cancel()
 
     try:
-        first = state["chunk"] = _Chunk(r, tp)
+        first = state["chunk"] = _Chunk(r, tp, where)
     except BaseException:
         cancel()
         raise
@@ -225,7 +243,7 @@ def capture(
                 ch.close()
             if todo:
                 part = todo.pop(0)
-                ch = state["chunk"] = _Chunk(part, tp)
+                ch = state["chunk"] = _Chunk(part, tp, where)
                 continue
             ch = None
             # one round trip acknowledges what was read and brings every chunk complete since
@@ -275,6 +293,7 @@ def checkpoint(
     cancel: threading.Event | None = None,
     max_staging: int | None = None,
     copy_per_step: int | None = None,
+    where: Staging | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
 
@@ -301,7 +320,7 @@ def checkpoint(
     if canary is None and generate is not None:
         canary = canary_mod.record(generate)
     canary_s = time.monotonic() - t_canary
-    cap = capture(sock, timeout, when, max_staging=max_staging, copy_per_step=copy_per_step)
+    cap = capture(sock, timeout, when, max_staging=max_staging, copy_per_step=copy_per_step, where=where)
     if on_captured is not None:
         on_captured(dict(cap.stats))
     recaptured = 0
@@ -344,7 +363,7 @@ def checkpoint(
         finally:
             cap.close()
         remaining = timeout if deadline is None else max(0.1, min(timeout, deadline - time.monotonic()))
-        cap = capture(sock, remaining, None, max_staging=max_staging, copy_per_step=copy_per_step)
+        cap = capture(sock, remaining, None, max_staging=max_staging, copy_per_step=copy_per_step, where=where)
     # The repository holds every key of the checkpoint now: the next capture need not copy them.
     try:
         control.call(sock, "durable", add=sorted({b.key for b in m.blocks}))
@@ -376,6 +395,7 @@ def precopy(
     max_staging: int | None = None,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
+    where: Staging | None = None,
 ) -> dict[str, Any]:
     """Store the worker's cached full blocks the repository does not hold yet, between checkpoints.
 
@@ -389,7 +409,9 @@ def precopy(
     """
     t0 = time.monotonic()
     desc = describe(sock)
-    cap = capture(sock, timeout, None, prefix_only=True, copy_per_step=copy_per_step, max_staging=max_staging)
+    cap = capture(
+        sock, timeout, None, prefix_only=True, copy_per_step=copy_per_step, max_staging=max_staging, where=where
+    )
     keys: list[bytes] = []
 
     def pages() -> Iterator[Block | Existing]:
@@ -492,11 +514,11 @@ def default_restore_staging(directory: Path) -> int:
         return 4 << 30
 
 
-def _first_keys(sock: Socket, m: Manifest) -> list[bytes]:
-    """The checkpoint's pages the resubmitted requests and the canary probe read first, in order:
-    keys computed by the new worker's engine from their tokens (:meth:`keys` on the connector)."""
+def _first_keys(sock: Socket, m: Manifest) -> tuple[list[bytes], list[bytes]]:
+    """The checkpoint's pages the resubmitted requests read, in order, and those the canary probe
+    reads: keys computed by the new worker's engine from their tokens (:meth:`keys` on the connector)."""
     if m.ledger is None and m.canary is None:
-        return []
+        return [], []
     reqs = []
     for e in read_ledger(m.ledger) if m.ledger is not None else []:
         toks = list(e["prompt_token_ids"]) + list(e["output_token_ids"])
@@ -510,26 +532,29 @@ def _first_keys(sock: Socket, m: Manifest) -> list[bytes]:
         got = control.call(sock, "keys", requests=reqs).get("keys") or []
     except control.ControlError as exc:  # an older connector: no order, the whole checkpoint at once
         log.warning("the worker cannot name the in-flight pages", extra={"error": str(exc)})
-        return []
+        return [], []
     have = {r.key for r in m.blocks}
-    out: dict[bytes, None] = {}
-    for keys in got:
-        for k in keys:
-            if k in have:
-                out[bytes.fromhex(k)] = None
-    return list(out)
+
+    def held(lists: list[list[str]]) -> list[bytes]:
+        return list(dict.fromkeys(bytes.fromhex(k) for keys in lists for k in keys if k in have))
+
+    if m.canary is None:
+        return held(got), []
+    return held(got[:-1]), held(got[-1:])
 
 
 def _write_pages(
-    repo: Repository, m: Manifest, keys: list[bytes] | None, out: Path, name: str, errors: list[BlockFailure]
+    repo: Repository, m: Manifest, keys: list[bytes] | None, out: Staging, name: str, errors: list[BlockFailure]
 ) -> tuple[staging.PageWriter, int]:
     """Load and verify ``keys`` (None: every block) into page file ``name``; returns it committed."""
+    assert out.directory is not None
     w = staging.PageWriter(
-        out,
+        out.directory,
         name,
         dtype=m.layout["page_dtype"],
         page_shape=m.layout["page_shape"],
         layers=m.layout["page_layers"],
+        trust=out.trust,
     )
     try:
         for lb in repo.load(m, keys=keys, errors=errors):
@@ -539,6 +564,41 @@ def _write_pages(
         w.abort()
         raise
     return w, len(idx.keys)
+
+
+def _probe(canary: dict[str, Any], generate: canary_mod.Generate) -> tuple[bool, list[int], str | None, float]:
+    """Run the canary probe: (match, tokens got, why not, seconds). A probe that cannot run fails."""
+    t = time.monotonic()
+    try:
+        ok, got, why = canary_mod.check(canary, generate)
+    except Exception as exc:
+        ok, got, why = False, [], f"canary: probe failed: {type(exc).__name__}: {exc}"
+    return ok, list(got), why, time.monotonic() - t
+
+
+def _offer_part(
+    repo: Repository,
+    m: Manifest,
+    sock: Socket,
+    keys: list[bytes],
+    out: Staging,
+    generation: int,
+    errors: list[BlockFailure],
+    offered: int,
+    n: int,
+) -> tuple[int, int]:
+    """Write ``keys`` into a page file and offer it as a later part of offer ``generation``;
+    returns the offered and written counts with it added."""
+    w, got = _write_pages(repo, m, keys, out, f"restore-{m.id}-0b", errors)
+    if not got:
+        staging.unlink_pair(w.index_path)
+        return offered, n
+    try:
+        reply = control.call(sock, "offer", index=str(w.index_path), generation=generation)
+    except BaseException:
+        staging.unlink_pair(w.index_path)  # refused: still ours to delete
+        raise
+    return offered + int(reply.get("offered", 0)), n + got
 
 
 class _RestoreRest:
@@ -552,7 +612,7 @@ class _RestoreRest:
         m: Manifest,
         sock: Socket,
         keys: list[bytes],
-        out: Path,
+        out: Staging,
         generation: int,
         budget: int,
     ) -> None:
@@ -621,6 +681,7 @@ def restore(
     offer_ttl: float | None = DEFAULT_OFFER_TTL,
     max_staging: int | None = None,
     wait: bool = False,
+    trust: Trust | None = None,
 ) -> RestorePlan:
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
 
@@ -656,9 +717,18 @@ def restore(
     is withdrawn (the rest is then refused) and the plan is cold.
     """
     t0 = time.monotonic()
+    phases: dict[str, float] = {}  # where the time to the first offer goes (stats["phases"])
+
+    def lap(name: str, since: float) -> float:
+        now = time.monotonic()
+        phases[name] = now - since
+        return now
+
     m = repo.manifest(ref)
+    t = lap("manifest_s", t0)
     requests = resubmissions(m.ledger) if m.ledger is not None else []
     desc = describe(sock)
+    t = lap("describe_s", t)
     decision = decide(m.pins, Pins(host=host_facts(), worker=desc.facts), policy)
     reasons = list(decision.reasons)
     if dict(m.namespace) != dict(desc.namespace_fields):
@@ -678,25 +748,44 @@ def restore(
     if reasons:
         return cold(reasons, {})
     states, problems = _request_states(m, warm=True)
-    out = Path(staging_dir) if staging_dir else staging.default_dir(f"{RESTORE_TAG}{os.getpid()}")
-    budget = max_staging if max_staging is not None else default_restore_staging(out)
-    first = _first_keys(sock, m)
+    out_dir = Path(staging_dir) if staging_dir else staging.default_dir(f"{RESTORE_TAG}{os.getpid()}")
+    # the worker reads these files: with two accounts, through the shared group (see agent.fs)
+    out = Staging(out_dir, trust or Trust.of())
+    budget = max_staging if max_staging is not None else default_restore_staging(out_dir)
+    t = time.monotonic()
+    req_keys, probe_keys = _first_keys(sock, m)
+    t = lap("keys_s", t)
     page = max(1, m.blocks[0].raw_length if m.blocks else 1)
+    first = list(dict.fromkeys(req_keys + probe_keys))
     if len(first) * page > budget:
         first = first[: budget // page]
-    rest = [] if not first else [k for k in (bytes.fromhex(r.key) for r in m.blocks) if k not in set(first)]
+    chosen = set(first)
+    rest = [] if not first else [k for k in (bytes.fromhex(r.key) for r in m.blocks) if k not in chosen]
+    probing = m.canary is not None and generate is not None
+    # With a probe to run, its own pages are offered first and it runs while the requests' pages
+    # are fetched behind it: its time hides behind theirs (no request is resubmitted before it has
+    # passed: the plan is returned after both). Without an order (no in-flight request, an older
+    # worker) the whole checkpoint is one part.
+    on_probe = set(probe_keys)
+    part0 = [k for k in first if k in on_probe] if probing else []
+    part1 = [k for k in first if k not in on_probe] if part0 else []
     errors: list[BlockFailure] = []
-    # without an order (no in-flight request, an older worker) the whole checkpoint is one part
-    w, n = _write_pages(repo, m, first or None, out, f"restore-{m.id}-0", errors)
+    w, n = _write_pages(repo, m, (part0 or first) or None, out, f"restore-{m.id}-0", errors)
+    if part1 and not n:  # none of the probe's pages verified: the requests' pages lead, the probe after
+        staging.unlink_pair(w.index_path)
+        w, n = _write_pages(repo, m, part1, out, f"restore-{m.id}-0", errors)
+        part1 = []
     stats: dict[str, Any] = {
-        "blocks": n,
-        "first_blocks": n,
-        "failed_blocks": len(errors),
-        "failures": _failures(errors),
+        "phases": phases,
         "generators": sum(1 for st in states.values() if st.get("generator_state")),
-        "first_s": time.monotonic() - t0,
     }
-    if errors and not n and not rest:
+
+    def count() -> None:
+        stats.update(blocks=n, first_blocks=n, failed_blocks=len(errors), failures=_failures(errors))
+        stats["first_s"] = time.monotonic() - t0
+
+    if errors and not n and not rest and not part1:
+        count()
         staging.unlink_pair(w.index_path)
         none_ok = f"no block of checkpoint {m.id} could be verified ({len(errors)} failed; first: {errors[0].error})"
         return cold([none_ok], stats)
@@ -706,22 +795,33 @@ def restore(
         staging.unlink_pair(w.index_path)  # not offered: still ours to delete
         raise
     offered = int(reply["offered"])
+    generation = int(reply.get("generation", 0))
     for cid, rejected in (reply.get("rejected") or {}).items():
         problems.setdefault(cid, []).append(f"request state rejected by the worker: {rejected}")
-    if m.canary is None or generate is None:
+    probe: Future[tuple[bool, list[int], str | None, float]] | None = None
+    if m.canary is not None and generate is not None:
+        with ThreadPoolExecutor(1, thread_name_prefix="gpuckpt-canary") as pool:
+            probe = pool.submit(_probe, m.canary, generate)
+            try:
+                if part1:
+                    offered, n = _offer_part(repo, m, sock, part1, out, generation, errors, offered, n)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    control.call(sock, "withdraw")  # fail closed: a restore that raises serves nothing
+                raise
+    lap("fetch_s", t)
+    count()
+    if probe is None:
         stats["canary"] = {"checked": False, "recorded": m.canary is not None}
     else:
-        t1 = time.monotonic()
-        try:
-            ok, got, why = canary_mod.check(m.canary, generate)
-        except Exception as exc:  # a probe that cannot run is a failed probe
-            ok, got, why = False, [], f"canary: probe failed: {type(exc).__name__}: {exc}"
+        ok, got, why, secs = probe.result()
         stats["canary"] = {
             "checked": True,
             "match": ok,
-            "expected": list(m.canary.get("expected", [])),
+            "expected": list(m.canary.get("expected", [])) if m.canary else [],
             "got": got,
-            "canary_s": time.monotonic() - t1,
+            "canary_s": secs,
+            "overlapped": bool(part1),
         }
         if not ok:
             control.call(sock, "withdraw")  # fail closed: nothing of this checkpoint is served
@@ -730,7 +830,6 @@ def restore(
     stats["plan_s"] = time.monotonic() - t0
     tail = None
     if rest:
-        generation = int(reply.get("generation", 0))
         tail = _RestoreRest(repo, m, sock, rest, out, generation, budget - n * page)
     plan = RestorePlan(True, [], _annotate(requests, problems), blocks_offered=offered, stats=stats, rest=tail)
     if wait:

@@ -324,7 +324,11 @@ class ServeProcess:
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
         kv_config: dict[str, Any] | None = None,
+        prefix: Sequence[str] = (),
+        inherit_env: bool = True,
     ) -> None:
+        """``prefix``: argv run before the worker's (e.g. ``setpriv`` to run it as its own account);
+        ``inherit_env=False``: the worker gets ``env`` alone, nothing of this process's environment."""
         import os
         import subprocess
 
@@ -342,10 +346,10 @@ class ServeProcess:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             self.proc = subprocess.Popen(
-                cmd,
+                [*prefix, *cmd],
                 stdout=fd,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env={**(os.environ if inherit_env else {}), **(env or {})},
                 start_new_session=True,
             )
         finally:

@@ -30,10 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ckpt.errors import ConfigError
+from agent import fs
+from agent.fs import Trust
 
 SCHEMA = "gpuckpt-vllm-pages"
 VERSION = 1
+#: a page file's index names its keys: 64 MiB covers a million pages
+MAX_INDEX_BYTES = 64 << 20
 
 
 def default_dir(tag: str) -> Path:
@@ -74,18 +77,11 @@ def sweep_dead(tag: str) -> list[str]:
     return removed
 
 
-def ensure_dir(path: str | os.PathLike[str]) -> Path:
-    """Create (or adopt) a private staging directory: mode 0700, owned by this
-    user, not a symlink. Anything else is refused: pages are users' KV."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(p, 0o700)
-    st = os.lstat(p)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise ConfigError(f"staging directory {p} is not a directory owned by this user; refusing to use it")
-    os.chmod(p, 0o700)
-    return p
+def ensure_dir(path: str | os.PathLike[str], trust: Trust | None = None) -> Path:
+    """Create (or adopt) a staging directory: private (0700, this user's) or, with a shared group in
+    ``trust``, 2770 and that group's; never a symlink, never one another account made or could
+    write to (:func:`agent.fs.ensure_dir`). Pages are users' KV."""
+    return fs.ensure_dir(path, trust)
 
 
 @dataclass(frozen=True)
@@ -120,8 +116,15 @@ class PageIndex:
         )
 
 
-def _open_private(path: Path) -> BinaryIO:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _open_private(path: Path, shared: bool = False) -> BinaryIO:
+    """A new file only this user (``shared``: and the group, read-only) can read; an existing
+    symlink in its place is refused, not followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o640 if shared else 0o600)  # whatever the umask, whatever was there
+    except BaseException:
+        os.close(fd)
+        raise
     return os.fdopen(fd, "wb")
 
 
@@ -136,15 +139,17 @@ class PageWriter:
         dtype: str,
         page_shape: Iterable[int],
         layers: Iterable[str],
+        trust: Trust | None = None,
     ) -> None:
-        self.dir = ensure_dir(directory)
+        self.trust = trust or Trust.of()
+        self.dir = ensure_dir(directory, self.trust)
         self.name = name
         self.dtype = dtype
         self.page_shape = tuple(page_shape)
         self.layers = tuple(layers)
         self.keys: list[bytes] = []
         self.page_bytes: int | None = None
-        self._f = _open_private(self.data_path)
+        self._f = _open_private(self.data_path, self.trust.gid is not None)
 
     @property
     def data_path(self) -> Path:
@@ -167,7 +172,7 @@ class PageWriter:
         self._f.close()
         idx = PageIndex(self.dtype, self.page_shape, self.page_bytes or 0, self.layers, tuple(self.keys))
         tmp = self.dir / f".{self.name}.json.tmp"
-        with _open_private(tmp) as f:
+        with _open_private(tmp, self.trust.gid is not None) as f:
             f.write(json.dumps(idx.to_json()).encode())
         os.replace(tmp, self.index_path)
         return idx
@@ -185,13 +190,35 @@ def unlink_pair(index_path: str | os.PathLike[str]) -> None:
 
 
 class PageFile:
-    """A committed page file, memory-mapped read-only."""
+    """A committed page file, memory-mapped read-only.
 
-    def __init__(self, index_path: str | os.PathLike[str]) -> None:
+    Another process named it, so both halves are opened with
+    :func:`agent.fs.open_checked` before a byte is read: directly in
+    ``directory`` (``None``: in a directory :func:`agent.fs.check_dir`
+    accepts), no symlink, a regular single-link file owned by a trusted
+    account and closed to others. :class:`agent.fs.UnsafePath` names the
+    file and why otherwise.
+    """
+
+    def __init__(
+        self,
+        index_path: str | os.PathLike[str],
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        trust: Trust | None = None,
+    ) -> None:
+        trust = trust or Trust.of()
         self.index_path = Path(index_path)
-        self.index = PageIndex.from_json(json.loads(self.index_path.read_bytes()))
+        if self.index_path.suffix != ".json":
+            raise fs.UnsafePath(f"{self.index_path} is not a page file index (*.json)")
+        ifd = fs.open_checked(self.index_path, directory=directory, trust=trust)
+        with os.fdopen(ifd, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+        if len(raw) > MAX_INDEX_BYTES:
+            raise ValueError(f"{self.index_path}: index larger than {MAX_INDEX_BYTES} bytes")
+        self.index = PageIndex.from_json(json.loads(raw))
         self.data_path = self.index_path.with_suffix(".bin")
-        self._fd = os.open(self.data_path, os.O_RDONLY)
+        self._fd = fs.open_checked(self.data_path, directory=self.index_path.parent, trust=trust)
         size = os.fstat(self._fd).st_size
         if size != self.index.page_bytes * len(self.index.keys):
             os.close(self._fd)
