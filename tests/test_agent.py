@@ -121,6 +121,35 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
 # -- checkpoints ------------------------------------------------------------------------------
 
 
+def test_the_host_is_probed_before_the_agent_serves(rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe holds the interpreter for seconds (torch, CUDA, NVML load): at the first
+    checkpoint it stalled the API and the watchdog, so it runs before either starts."""
+    from ckpt import fingerprint
+
+    _tmp, _fake, start = rig
+    fingerprint.host_facts.cache_clear()
+    order: list[str] = []
+    real = fingerprint._probe_cpu
+
+    def probe() -> dict:
+        order.append("probe")
+        return real()
+
+    monkeypatch.setattr(fingerprint, "_probe_cpu", probe)
+    from agent.daemon import api
+
+    started = api.ApiServer.start
+
+    def api_start(self) -> None:  # type: ignore[no-untyped-def]
+        order.append("api")
+        started(self)
+
+    monkeypatch.setattr(api.ApiServer, "start", api_start)
+    start()
+    assert order[:2] == ["probe", "api"], order
+    assert fingerprint.host_facts.cache_info().currsize == 1  # every checkpoint reuses it
+
+
 def test_request_checkpoint_lands_and_status_reports_it(rig) -> None:
     tmp, _fake, start = rig
     a = start()

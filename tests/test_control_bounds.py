@@ -10,6 +10,7 @@ generous deadline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -260,6 +261,35 @@ def test_pipelined_requests_on_one_connection_each_get_their_reply(short_tmp: Pa
 
 
 # -- the server, run as ``python -m tests.test_control_bounds SOCK STATE MAX TIMEOUT`` ----------
+
+
+def test_unfinished_requests_are_bounded_across_connections(short_tmp: Path) -> None:
+    """Each connection may send up to max_line; together they may not hold more than max_buffered."""
+    mib = 1 << 20
+    srv = control.ControlServer(
+        short_tmp / "b.sock", lambda req: {"ok": True}, max_line=mib, max_buffered=mib + mib // 2
+    )
+    try:
+        part = b'{"cmd": "ping", "pad": "' + b"x" * (mib - 100)  # under max_line, no newline yet
+        a = connect(short_tmp / "b.sock")
+        a.sendall(part)
+        wait_for(lambda: srv._slots.buffered() >= len(part), "the first partial request to be held")
+        b = connect(short_tmp / "b.sock")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            b.sendall(part)
+        reply = json.loads(read_until_eof(b))
+        assert reply["ok"] is False
+        assert "bytes of unfinished requests are held" in reply["error"], reply
+        a.sendall(b'"}\n')  # the first still completes
+        got = b""
+        while not got.endswith(b"\n"):
+            got += a.recv(1 << 16)
+        assert json.loads(got) == {"ok": True}
+        a.close()
+        b.close()
+        assert control.call(short_tmp / "b.sock", "ping", io_timeout=PATIENCE)["ok"] is True
+    finally:
+        srv.close()
 
 
 def _serve(argv: list[str]) -> None:

@@ -121,6 +121,7 @@ class Agent:
         """Open the repository, start the API and threads, restore if configured, report ready."""
         from agent.daemon.api import ApiServer
 
+        self._probe_host()
         self.open_repository()
         self._api = ApiServer(self, self.cfg.api.socket, mode=self.cfg.api.mode, group=self.cfg.api.group)
         self._api.start()
@@ -137,6 +138,23 @@ class Agent:
         self.notifier.ready(self._status_line())
         self.notifier.start_watchdog(self.healthy)
         log.info("agent ready", extra={"worker_id": self.cfg.worker_id, "api": str(self.cfg.api.socket)})
+
+    def _probe_host(self) -> None:
+        """The host's facts (GPU, driver, CUDA, torch), probed once, before any other thread runs.
+
+        The probe imports torch and loads the CUDA and NVML libraries, holding
+        the interpreter for seconds (over a minute was seen on a busy 2-core
+        host): done lazily at the first checkpoint, that stalled the control
+        API and would stall the watchdog's pings. ``host_facts`` is cached
+        for the process, so every checkpoint and restore then reuses it.
+        """
+        from agent.engines.vllm import driver  # noqa: F401 - imported now for the same reason
+        from ckpt import host_facts
+
+        t0 = time.monotonic()
+        facts = host_facts()
+        took = round(time.monotonic() - t0, 3)
+        log.info("host probed", extra={"seconds": took, "gpu": facts.gpu_product, "driver": facts.driver_version})
 
     def run(self) -> int:
         """Start, then serve until SIGTERM/SIGINT; take the final checkpoint; return the exit status."""

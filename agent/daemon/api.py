@@ -64,6 +64,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
+from agent.slots import Conn, Slots
+
 if TYPE_CHECKING:
     from agent.daemon.agent import Agent
     from ckpt.manifest import Manifest
@@ -75,20 +77,14 @@ REQUEST_TIMEOUT = 10.0
 WRITE_TIMEOUT = 30.0
 
 
-class _Slot:
-    """One served connection. ``reading``, ``evicted`` and the request's progress
-    (``deadline``, ``got``, ``since``) are the server's to read when it picks one to drop."""
+class _Slot(Conn):
+    """One served connection, with its current request's deadline (see :meth:`_Server.reading`)."""
 
-    __slots__ = ("deadline", "evicted", "got", "reading", "since", "sock", "thread")
+    __slots__ = ("deadline",)
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reading = True  # waiting for (the rest of) a request: may be dropped for a new connection
-        self.evicted = False
+        super().__init__(sock)
         self.deadline = 0.0
-        self.got = 0  # bytes of the current request received
-        self.since = time.monotonic()  # last progress
-        self.thread: threading.Thread | None = None  # the accept loop's to set and join
 
 
 class _Dropped(Exception):
@@ -110,8 +106,9 @@ class _Server(socketserver.UnixStreamServer):
     def __init__(self, path: str, *, max_threads: int, request_timeout: float) -> None:
         self.max_threads = max_threads
         self.request_timeout = request_timeout
-        self._lock = threading.Lock()
-        self.slots: dict[socket.socket, _Slot] = {}
+        self.pool = Slots(max_threads)
+        self._lock = self.pool.lock
+        self.slots: dict[socket.socket, _Slot] = {}  # by socket, for the handler to find its own
         super().__init__(path, _Handler)
 
     def get_request(self) -> tuple[Any, Any]:
@@ -138,24 +135,15 @@ class _Server(socketserver.UnixStreamServer):
             raise
 
     def _admit(self, sock: socket.socket) -> _Slot | None:
-        victim = None
+        slot = _Slot(sock)
+        if not self.pool.admit(slot):
+            return None
         with self._lock:
-            if len(self.slots) >= self.max_threads:
-                waiting = [s for s in self.slots.values() if s.reading and not s.evicted]
-                if waiting:
-                    victim = min(waiting, key=lambda s: (s.got > 0, s.since))
-                    victim.evicted = True
-                    with contextlib.suppress(OSError):
-                        victim.sock.shutdown(socket.SHUT_RD)  # its blocked recv returns at once
-        if victim is not None and victim.thread is not None:
-            victim.thread.join(timeout=5.0)  # gone before another starts: threads are bounded, not only slots
-        with self._lock:
-            if len(self.slots) >= self.max_threads:
-                return None
-            slot = self.slots[sock] = _Slot(sock)
-            return slot
+            self.slots[sock] = slot
+        return slot
 
     def _release(self, slot: _Slot) -> None:
+        self.pool.release(slot)
         with self._lock:
             self.slots.pop(slot.sock, None)
 

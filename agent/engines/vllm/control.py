@@ -25,6 +25,8 @@ bytes, and the channel keeps answering the others.
   and ``durable`` requests legitimately carry several MiB). It is read in
   chunks of at most 1 MiB and never buffered past the limit: a longer line
   is answered with an error naming the limit and the connection is closed.
+  Across all connections at most ``max_buffered`` (128 MiB) of unfinished
+  requests is held; the connection whose chunk passes it is refused so.
 - Time: each request must arrive whole within ``request_timeout`` (30 s) of
   the connection being ready for it (accepted, or its previous reply sent),
   and its reply must be taken within as long; otherwise the connection is
@@ -46,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.slots import Conn, Slots
 from ckpt.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -62,25 +65,22 @@ class ControlError(ServiceUnavailable, RuntimeError):
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_LINE = 64 << 20
 MAX_CONNECTIONS = 16
+#: unfinished request bytes held across all connections at once (two whole lines)
+MAX_BUFFERED = 2 * MAX_LINE
 REQUEST_TIMEOUT = 30.0
 _CHUNK = 1 << 20
 # accept() errors that pass (a full descriptor table frees up as connections close).
 _TRANSIENT_ACCEPT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EINTR}
 
 
-class _Conn:
-    """One served connection. ``reading``, ``got``, ``since`` and ``evicted`` are guarded by the server's lock."""
+class _Conn(Conn):
+    """One served connection, with what it has received of its next request."""
 
-    __slots__ = ("buf", "evicted", "got", "reading", "since", "sock", "thread")
+    __slots__ = ("buf",)
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+        super().__init__(sock)
         self.buf = bytearray()  # received, not yet handled
-        self.reading = True  # waiting for (the rest of) a request: may be dropped for a new connection
-        self.got = 0  # bytes of the current request received
-        self.since = time.monotonic()  # last progress
-        self.evicted = False
-        self.thread: threading.Thread | None = None  # the accept loop's to set and join
 
 
 class ControlServer:
@@ -100,14 +100,17 @@ class ControlServer:
         max_connections: int = MAX_CONNECTIONS,
         max_line: int = MAX_LINE,
         request_timeout: float = REQUEST_TIMEOUT,
+        max_buffered: int = MAX_BUFFERED,
     ) -> None:
         self.path = Path(path)
         self.handler = handler
         self.max_connections = max_connections
         self.max_line = max_line
         self.request_timeout = request_timeout
-        self._lock = threading.Lock()
-        self._conns: set[_Conn] = set()
+        self.max_buffered = max_buffered
+        self._slots = Slots(max_connections)
+        self._lock = self._slots.lock
+        self._conns = self._slots.conns
         self._closed = False
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
@@ -147,22 +150,8 @@ class ControlServer:
                 sock.close()
 
     def _admit(self, sock: socket.socket) -> None:
-        victim = None
-        with self._lock:
-            if len(self._conns) >= self.max_connections:
-                waiting = [c for c in self._conns if c.reading and not c.evicted]
-                if waiting:
-                    victim = min(waiting, key=lambda c: (c.got > 0, c.since))
-                    victim.evicted = True
-                    with contextlib.suppress(OSError):
-                        victim.sock.shutdown(socket.SHUT_RD)  # its blocked recv returns at once
-        if victim is not None and victim.thread is not None:
-            victim.thread.join(timeout=5.0)  # gone before another starts: threads are bounded, not only slots
-        with self._lock:
-            conn = _Conn(sock) if len(self._conns) < self.max_connections else None
-            if conn is not None:
-                self._conns.add(conn)
-        if conn is None:
+        conn = _Conn(sock)
+        if not self._slots.admit(conn):
             _say(
                 sock,
                 f"gpuckpt control busy: all {self.max_connections} connections are running requests; try again",
@@ -177,8 +166,7 @@ class ControlServer:
             raise
 
     def _forget(self, conn: _Conn) -> None:
-        with self._lock:
-            self._conns.discard(conn)
+        self._slots.release(conn)
         conn.sock.close()
 
     # -- one connection --------------------------------------------------------------------
@@ -253,9 +241,17 @@ class ControlServer:
                     )
                 return None  # the client closed (a partial line is discarded), or was dropped
             buf += chunk
-            with self._lock:
-                conn.got = len(buf)
-                conn.since = time.monotonic()
+            self._slots.progress(conn, len(buf))
+            held = self._slots.buffered()
+            if held > self.max_buffered:
+                # every connection may send up to max_line: together they could hold max_connections
+                # times as much in the serving process; past this, the one that sent last goes
+                _say(
+                    conn.sock,
+                    f"gpuckpt control: {held} bytes of unfinished requests are held, more than "
+                    f"{self.max_buffered} ({self.max_buffered / 2**20:g} MiB); closing the connection",
+                )
+                return None
 
     def _reply(self, line: bytes | bytearray) -> bytes:
         try:
