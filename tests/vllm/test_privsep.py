@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from agent.engines.vllm import driver
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
 from ckpt.keys import KeySource, generate_key
+from tests.vllm.test_agent_e2e import _quiet, cli, wait_for
 from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port
 
 pytestmark = [
@@ -83,20 +83,6 @@ def owned_dir(p: Path, uid: int, gid: int, mode: int) -> Path:
     os.chown(p, uid, gid)
     os.chmod(p, mode)
     return p
-
-
-def wait_for(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.25)
-    raise TimeoutError(what)
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -283,13 +269,6 @@ def _group_pids(pgid: int) -> list[int]:
             except ProcessLookupError:
                 continue
     return pids
-
-
-def _quiet(fn) -> None:  # type: ignore[no-untyped-def]
-    try:
-        fn()
-    except Exception:
-        return
 
 
 def test_worker_and_agent_run_as_two_accounts(two_accounts: dict) -> None:

@@ -582,23 +582,24 @@ def _offer_part(
     sock: Socket,
     keys: list[bytes],
     out: Staging,
+    name: str,
     generation: int,
     errors: list[BlockFailure],
-    offered: int,
-    n: int,
 ) -> tuple[int, int]:
-    """Write ``keys`` into a page file and offer it as a later part of offer ``generation``;
-    returns the offered and written counts with it added."""
-    w, got = _write_pages(repo, m, keys, out, f"restore-{m.id}-0b", errors)
+    """Write ``keys`` into page file ``name`` and offer it as a later part of offer ``generation``;
+    returns (blocks the worker took, blocks written). A refused part (the offer ended: the
+    connector deleted it; or the worker refused it) raises :class:`control.ControlError`, its
+    file deleted either way."""
+    w, got = _write_pages(repo, m, keys, out, name, errors)
     if not got:
         staging.unlink_pair(w.index_path)
-        return offered, n
+        return 0, 0
     try:
         reply = control.call(sock, "offer", index=str(w.index_path), generation=generation)
     except BaseException:
         staging.unlink_pair(w.index_path)  # refused: still ours to delete
         raise
-    return offered + int(reply.get("offered", 0)), n + got
+    return int(reply.get("offered", 0)), got
 
 
 class _RestoreRest:
@@ -642,25 +643,19 @@ class _RestoreRest:
                 keys = keys[:allowed]
             for i in range(0, len(keys), per_part):
                 errors: list[BlockFailure] = []
-                w, n = _write_pages(repo, m, keys[i : i + per_part], out, f"restore-{m.id}-{1 + i // per_part}", errors)
-                self.stats["failed_blocks"] += len(errors)
-                self.stats["failures"] += _failures(errors)[:10]
-                if not n:
-                    staging.unlink_pair(w.index_path)
-                    continue
+                name = f"restore-{m.id}-{1 + i // per_part}"
                 try:
-                    reply = control.call(sock, "offer", index=str(w.index_path), generation=generation)
-                except control.ControlError as exc:
-                    # the offer ended (the connector deleted the file) or the worker refused it
-                    staging.unlink_pair(w.index_path)
+                    took, n = _offer_part(repo, m, sock, keys[i : i + per_part], out, name, generation, errors)
+                except control.ControlError as exc:  # the offer ended, or the worker refused the part
                     self.stats["ended"] = str(exc)
                     return
-                except BaseException:
-                    staging.unlink_pair(w.index_path)
-                    raise
-                self.offered += int(reply.get("offered", 0))
-                self.stats["blocks"] += n
-                self.stats["parts"] += 1
+                finally:
+                    self.stats["failed_blocks"] += len(errors)
+                    self.stats["failures"] += _failures(errors)[:10]
+                if n:
+                    self.offered += took
+                    self.stats["blocks"] += n
+                    self.stats["parts"] += 1
         except Exception as exc:  # never harms the worker: what was offered stays, the rest recomputes
             log.exception("streaming the rest of a restore failed", extra={"checkpoint": m.id})
             self.stats["error"] = f"{type(exc).__name__}: {exc}"
@@ -804,7 +799,8 @@ def restore(
             probe = pool.submit(_probe, m.canary, generate)
             try:
                 if part1:
-                    offered, n = _offer_part(repo, m, sock, part1, out, generation, errors, offered, n)
+                    took, written = _offer_part(repo, m, sock, part1, out, f"restore-{m.id}-0b", generation, errors)
+                    offered, n = offered + took, n + written
             except BaseException:
                 with contextlib.suppress(Exception):
                     control.call(sock, "withdraw")  # fail closed: a restore that raises serves nothing
