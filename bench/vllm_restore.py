@@ -175,6 +175,9 @@ def bench_model(
                 w.control_socket,
                 staging_dir=str(tmp / "stage-r"),
                 generate=w.client.generate,
+                # returning conversations, not in-flight requests: the whole checkpoint offered before
+                # they arrive (a streaming restore offers the rest behind the in-flight part)
+                wait=True,
             )
             out["restore"][store] = {"warm": plan.warm, "reasons": plan.reasons, "restore_s": time.monotonic() - t0}
             measure(w, f"restored/{store}")
