@@ -56,7 +56,7 @@ import contextlib
 
 from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, worker_args
 
-from agent.engines.vllm import driver
+from agent.engines import driver
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
 
@@ -268,7 +268,7 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
                 p = [rng.randrange(3, SPEC["vocab"]) for _ in range(PROMPT)]
                 w.client.complete(p, {"temperature": 0.0, "max_tokens": 1}, stream=False)
             probe = None
-            from agent.engines.vllm import canary
+            from agent.engines import canary
 
             probe = canary.record(w.client.generate)
             threads = [

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 
-from agent.engines.vllm import canary, driver
+from agent.engines import canary, driver
 from agent.engines.vllm.serve import Completion, ServeProcess
 from ckpt import Repository, host_facts
 

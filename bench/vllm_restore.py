@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, worker_args
 
-from agent.engines.vllm import driver
+from agent.engines import driver
 from agent.engines.vllm.serve import Completion, ServeProcess
 from ckpt import Repository, host_facts
 

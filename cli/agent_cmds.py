@@ -221,7 +221,7 @@ def restore_cmd(
     (--worker-url); without it the restore is cold unless --unchecked.
     --dry-run exits 5 when a warm restore would be refused.
     """
-    from agent.engines.vllm import driver
+    from agent.engines import driver
     from agent.engines.vllm.serve import ServeClient, ServeError
 
     main = _main()

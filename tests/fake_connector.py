@@ -1,6 +1,6 @@
 """A stand-in for the vLLM connector's control socket, for the agent's unit tests.
 
-It speaks the same JSON-lines protocol (:mod:`agent.engines.vllm.control`)
+It speaks the same JSON-lines protocol (:mod:`agent.engines.control`)
 and writes real page files, so the agent's whole checkpoint path (describe,
 capture, save, retention) runs against it. The real connector covers the
 same path in ``tests/vllm/test_agent_e2e.py``.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.engines.vllm import control, staging
+from agent.engines import control, staging
 from ckpt import WorkerFacts
 
 PAGE_SHAPE = (2, 2, 16, 32)  # layers, K/V-ish, tokens, width: 8 KiB of float32

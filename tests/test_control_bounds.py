@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from agent.engines.vllm import control
+from agent.engines import control
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOD = 2000

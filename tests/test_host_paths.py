@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agent import fs
-from agent.engines.vllm import driver, staging
+from agent.engines import driver, staging
 from cli.main import app
 from tests.fake_connector import FakeConnector
 

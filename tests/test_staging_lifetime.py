@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.engines.vllm import driver, staging
+from agent.engines import driver, staging
 
 
 def dead_pid() -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.engines.vllm import shards
+from agent.engines import shards
 from agent.engines.vllm.ledger import RunnerFacts, inexact_reasons, make_ledger, resubmissions
 
 
@@ -157,7 +157,7 @@ def test_malformed_request_states_are_rejected_one_by_one() -> None:
 
 
 def test_a_corrupt_generator_state_replays_that_request_cold_and_nothing_else() -> None:
-    from agent.engines.vllm.driver import _annotate, _request_states
+    from agent.engines.driver import _annotate, _request_states
 
     entries = [
         entry(client_request_id="seeded", generator_state="%%%corrupt%%%", sampling={"seed": 1}),

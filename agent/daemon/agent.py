@@ -148,7 +148,7 @@ class Agent:
         API and would stall the watchdog's pings. ``host_facts`` is cached
         for the process, so every checkpoint and restore then reuses it.
         """
-        from agent.engines.vllm import driver  # noqa: F401 - imported now for the same reason
+        from agent.engines import driver  # noqa: F401 - imported now for the same reason
         from ckpt import host_facts
 
         t0 = time.monotonic()
@@ -269,7 +269,7 @@ class Agent:
                 t.done.set()
 
     def _run_checkpoint(self, t: Ticket) -> None:
-        from agent.engines.vllm import driver
+        from agent.engines import driver
         from agent.engines.vllm.serve import ServeClient
 
         assert self.repo is not None
@@ -350,15 +350,15 @@ class Agent:
 
     def _staging(self) -> Any:
         """Where the connector's page files may be and whom to trust with them (``driver.Staging``)."""
-        from agent.engines.vllm import driver
+        from agent.engines import driver
         from agent.fs import Trust
 
         return driver.Staging(self.cfg.staging_dir, Trust.of(self.cfg.shared_group))
 
     def _canary_record(self, client: Any) -> dict[str, Any] | None:
         """The worker's canary, probed once per worker process and reused by every checkpoint."""
-        from agent.engines.vllm import canary as canary_mod
-        from agent.engines.vllm import control
+        from agent.engines import canary as canary_mod
+        from agent.engines import control
 
         if client is None:
             return None
@@ -436,7 +436,7 @@ class Agent:
     def _precopy(self) -> None:
         """Store the worker's new cached blocks ahead of the next checkpoint (see ``driver.precopy``);
         a checkpoint's capture supersedes it, and any failure only costs that checkpoint a larger copy."""
-        from agent.engines.vllm import driver
+        from agent.engines import driver
 
         assert self.repo is not None
         c = self.cfg.checkpoint
@@ -475,7 +475,7 @@ class Agent:
     def _sweep_staging(self) -> None:
         """Delete what a killed predecessor left staged (users' KV): its restore staging
         directories, and capture page files in the connector's staging directory."""
-        from agent.engines.vllm import driver
+        from agent.engines import driver
 
         for d in driver.sweep_restore_dirs():
             log.info("removed a dead agent's restore staging", extra={"path": d})
@@ -491,7 +491,7 @@ class Agent:
 
     def _wait_for_worker(self, budget: float) -> bool:
         from agent import fs
-        from agent.engines.vllm import driver
+        from agent.engines import driver
 
         end = time.monotonic() + budget
         warned = False
@@ -516,7 +516,7 @@ class Agent:
 
     def restore_at_start(self) -> dict[str, Any]:
         """Restore this worker's checkpoint (warm or cold with replay) into the attached worker."""
-        from agent.engines.vllm import driver
+        from agent.engines import driver
         from agent.engines.vllm.serve import ServeClient
 
         assert self.repo is not None

@@ -393,7 +393,7 @@ def route(agent: Agent, method: str, path: str, query: dict[str, list[str]], bod
 
 def restore_plan(agent: Agent, ref: str) -> dict[str, Any]:
     """The compatibility table of checkpoint ``ref`` against this host and the attached worker."""
-    from agent.engines.vllm import driver
+    from agent.engines import driver
     from ckpt import Pins, Policy, decide, host_facts
 
     m = _own_manifest(agent, ref)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import driver, staging
+from agent.engines import driver, staging
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
 from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port, serve_worker

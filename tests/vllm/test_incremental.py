@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import canary, driver
+from agent.engines import canary, driver
 from ckpt import Repository
 from tests.vllm.test_serve import serve_worker
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import driver
+from agent.engines import driver
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
 from ckpt.keys import KeySource, generate_key

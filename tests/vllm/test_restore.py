@@ -175,7 +175,7 @@ def test_corrupt_blocks_are_not_offered_and_never_give_a_wrong_token(runs: dict)
 
 
 def test_canary_recorded_and_matched_after_warm_restore(runs: dict) -> None:
-    from agent.engines.vllm import canary
+    from agent.engines import canary
 
     a, b, d = runs["a"], runs["b"], runs["d"]
     cn = a["canary"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import canary, driver
+from agent.engines import canary, driver
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
 

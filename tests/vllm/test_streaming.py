@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import canary, control, driver
+from agent.engines import canary, control, driver
 from ckpt import Repository
 from tests.vllm.test_serve import GREEDY, serve_worker
 

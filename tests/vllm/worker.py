@@ -119,7 +119,7 @@ def checkpoint_in_flight(a: dict, llm, repo, outs: dict, requests: dict, min_out
     """
     from vllm.inputs import TokensPrompt
 
-    from agent.engines.vllm import canary, driver
+    from agent.engines import canary, driver
 
     probe = canary.record(make_generate(llm, outs))
     driver.hold(a["socket"], len(requests), timeout=300)
@@ -202,7 +202,7 @@ def faults(a: dict, llm, res: dict) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from agent.engines.vllm import driver
+    from agent.engines import driver
 
     eng = llm.llm_engine
     rng = random.Random(5)
@@ -227,7 +227,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from agent.engines.vllm import driver
+    from agent.engines import driver
     from ckpt import Repository
 
     t_start = time.monotonic()

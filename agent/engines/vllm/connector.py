@@ -5,7 +5,7 @@ Loaded by vLLM in two processes (``kv_connector_module_path =
 process and the *worker half* in each worker. The only channels between them
 are vLLM's: :class:`GpuckptMeta` (scheduler → worker, once per step) and
 :class:`GpuckptWorkerMeta` (worker → scheduler, once per step). Bytes travel
-through page files in host staging (:mod:`agent.engines.vllm.staging`).
+through page files in host staging (:mod:`agent.engines.staging`).
 
 Capture (one consistent point, then a stream; the bookkeeping is
 :mod:`agent.engines.vllm.capture`):
@@ -94,7 +94,7 @@ rank copies its own shard into its own page file (``<name>-r<rank>``); the
 worker metadata of the ranks is merged (:meth:`GpuckptWorkerMeta.aggregate`)
 and the control call is answered only when every rank has reported, with one
 shard per rank. The agent joins the shards into TP-independent pages (all
-``H`` heads, see :mod:`agent.engines.vllm.shards`); on restore every rank
+``H`` heads, see :mod:`agent.engines.shards`); on restore every rank
 loads its own heads out of those pages, whatever TP size wrote them.
 
 Never harm the worker: every hook runs under :func:`_hook`, which turns any
@@ -138,7 +138,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from agent import fs
-from agent.engines.vllm import control, staging
+from agent.engines import control, staging
+from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import (
     DEFAULT_COPY_PER_STEP,
     DEFAULT_MAX_STAGING,
@@ -150,7 +151,6 @@ from agent.engines.vllm.capture import (
 )
 from agent.engines.vllm.copier import Gathered, PageCopier
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
-from agent.engines.vllm.shards import Heads, full_shape, local_heads
 from agent.fs import Trust
 
 if TYPE_CHECKING:

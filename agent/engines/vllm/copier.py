@@ -5,7 +5,7 @@ and buffers are not pinned), so the CPU tests exercise the code the GPU runs.
 
 Layout: vLLM's KV tensor of one layer has the block id first
 (``[num_blocks, *page_shape]``). A *page* in a page file is one block of
-every layer, layer-major (:mod:`agent.engines.vllm.staging`).
+every layer, layer-major (:mod:`agent.engines.staging`).
 
 **Capture** (:meth:`PageCopier.gather`): the engine must not be held up by
 compression or I/O, and it must not overwrite a block before its copy is

@@ -4,7 +4,7 @@ and to resubmit a restored ledger.
 
 The connector's control socket works the same under ``vllm serve`` as under
 an offline ``vllm.LLM`` (it lives in the EngineCore process either way), so
-:func:`agent.engines.vllm.driver.checkpoint` and ``restore`` need nothing
+:func:`agent.engines.driver.checkpoint` and ``restore`` need nothing
 serve-specific; what differs is how requests get back into the engine:
 
 * **Request ids.** The server turns a completion's id into

@@ -11,7 +11,7 @@ compatibility rules (:func:`ckpt.decide`) → on a match, load and verify the
 blocks into a page file and offer it to the connector → hand back the
 requests to resubmit. On a refusal, the same requests are returned for a
 cold replay, with the reasons. With a ``generate`` callable, the checkpoint
-records the canary (:mod:`agent.engines.vllm.canary`) just before the
+records the canary (:mod:`agent.engines.canary`) just before the
 capture, and a warm restore re-runs it after the offer, before anything is
 resubmitted: a different continuation withdraws the offer and turns the plan
 cold (fail closed: never serve from a cache the new worker disagrees with).
@@ -34,9 +34,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from agent.engines import canary as canary_mod
+from agent.engines import control, shards, staging
 from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
-from agent.engines.vllm import canary as canary_mod
-from agent.engines.vllm import control, shards, staging
 from agent.engines.vllm.capture import save_queue_bound
 from agent.engines.vllm.ledger import read as read_ledger
 from agent.engines.vllm.ledger import resubmissions
@@ -153,9 +153,9 @@ def capture(
 
     A tensor-parallel worker answers with one page file per rank and chunk;
     their pages are joined here into stored pages holding every KV head
-    (:mod:`agent.engines.vllm.shards`), so a checkpoint restores into any TP
+    (:mod:`agent.engines.shards`), so a checkpoint restores into any TP
     size. A chunk whose ranks' parts do not cover every head is refused
-    (:class:`~agent.engines.vllm.shards.ShardError`, naming the rank). ``close``
+    (:class:`~agent.engines.shards.ShardError`, naming the rank). ``close``
     deletes every page file and cancels a stream not read to its end. With
     ``when`` (``{"live": n, "min_outputs": k}``) the capture is taken at the
     first step boundary where n unfinished requests have k outputs each. The
