@@ -79,8 +79,10 @@ def checkpoint(w: ServeProcess, repo: Repository, bound: int, per_step: int, *, 
                 cap.close()
         else:
             t0 = time.monotonic()
-            driver.checkpoint(w.control_socket, repo, "bench", timeout=300, max_staging=bound, copy_per_step=per_step)
-            st = driver.last_checkpoint_stats()
+            st = {}
+            driver.checkpoint(
+                w.control_socket, repo, "bench", timeout=300, max_staging=bound, copy_per_step=per_step, stats=st
+            )
             st["total_s"] = time.monotonic() - t0
     st["sampled_peak_bytes"] = sampler.peak
     return st

@@ -122,10 +122,11 @@ def main() -> None:
         # captured at a step boundary where every second turn still runs, as the engine judges
         # it; the capture is pending before the turns are sent, so a busy host cannot miss it
         driver.hold(a_w.control_socket, len(turn2), timeout=240)
+        st: dict[str, Any] = {"canary_s": canary_s}
         m = driver.checkpoint_around(
-            a_w.control_socket, start, repo, "demo-worker", canary=probe, when=when, timeout=240
+            a_w.control_socket, start, repo, "demo-worker", canary=probe, when=when, timeout=240, stats=st
         )
-        st = {**driver.last_checkpoint_stats(), "canary_s": canary_s}
+        st["canary_s"] = canary_s
         # from the step boundary on: the capture's wait for the turns to get there is not its cost
         ckpt_s = st["capture_s"] - st["wait_s"] + st["save_s"]
     finally:

@@ -149,8 +149,8 @@ def bench_model(
         out["checkpoint"] = {}
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
-            m = driver.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate)
-            st = driver.last_checkpoint_stats()
+            st: dict[str, Any] = {}
+            m = driver.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate, stats=st)
             tokens = st["pages"] * 32
             out["checkpoint"][store] = {
                 "id": m.id,

@@ -12,6 +12,9 @@ from ckpt.errors import (
     CheckpointNotFound,
     ConfigError,
     EncryptionError,
+    EngineError,
+    EngineMismatch,
+    EngineRefused,
     FormatError,
     GpuckptError,
     IncompatibleCheckpoint,
@@ -32,6 +35,7 @@ from ckpt.errors import (
     StoreError,
     StoreUnavailable,
     UnsupportedVersion,
+    WorkerUnreachable,
 )
 from ckpt.fingerprint import host_facts, model_digest, tokenizer_digest
 from ckpt.keys import Keyring, KeySource, generate_key
@@ -79,6 +83,10 @@ __all__ = [
     "ObjectNotFound",
     "OperationAborted",
     "ServiceUnavailable",
+    "EngineError",
+    "EngineMismatch",
+    "EngineRefused",
+    "WorkerUnreachable",
     "Pins",
     "Policy",
     "Problem",

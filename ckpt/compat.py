@@ -24,12 +24,13 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final
+from typing import Any, Final
 
 from ckpt.errors import ConfigError, IncompatibleCheckpoint
 from ckpt.pins import FactValue, HostFacts, Pins, WorkerFacts
 
 __all__ = [
+    "rule_json",
     "RULES",
     "STRICT",
     "Decision",
@@ -311,6 +312,19 @@ class Decision:
         """Raise :class:`~ckpt.errors.IncompatibleCheckpoint` with the reasons unless warm."""
         if not self.warm:
             raise IncompatibleCheckpoint("warm restore refused", list(self.reasons))
+
+
+def rule_json(res: RuleResult, policy: Policy) -> dict[str, Any]:
+    """One rule's result as every JSON answer gives it (``compat``, a restore plan)."""
+    return {
+        "rule": res.rule,
+        "verdict": str(res.verdict),
+        "checkpoint": res.recorded,
+        "here": res.current,
+        "detail": res.detail,
+        "ignored": res.rule in policy.ignore,
+        "refuses": policy.refuses(res),
+    }
 
 
 def decide(recorded: Pins, current: Pins, policy: Policy = STRICT) -> Decision:

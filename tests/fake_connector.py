@@ -68,7 +68,7 @@ class FakeConnector:
             return {
                 "ok": True,
                 "facts": self.facts(),
-                "layout": {"device": "cpu", "block_size": 16},
+                "layout": {"device": "cpu", "block_size": 16, "num_kv_heads": 2},
                 "namespace": {"engine": "vllm", "model": "fake", "layout": "fake", "kv": "f32", "hash": "x"},
             }
         if cmd == "capture":

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import ckpt
 from agent.daemon import config as config_mod
 from agent.daemon.agent import Agent
 from agent.daemon.api import AgentApiError, AgentClient
@@ -28,18 +29,6 @@ from ckpt import ConfigError, Repository, RepositoryLocked
 from ckpt.store.base import Buffer, Store
 from ckpt.testing import FaultyStore
 from tests.fake_connector import FakeConnector
-
-
-@pytest.fixture
-def short_tmp() -> Path:
-    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can exceed that.
-    import tempfile
-
-    d = Path(tempfile.mkdtemp(prefix="gpa-", dir="/tmp"))
-    yield d
-    import shutil
-
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def make_cfg(tmp: Path, **over: object) -> config_mod.AgentConfig:
@@ -482,7 +471,8 @@ def test_cli_checkpoint_and_status_through_the_agent(rig) -> None:
 def test_launch_runs_vllm_serve_as_the_api_server_module_of_its_own_python(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cli.agent_cmds import vllm_serve_argv
+    from agent import engines
+    from agent.engines.vllm.engine import _api_server_argv as vllm_serve_argv
 
     script = tmp_path / "vllm"
     script.write_text("#!/opt/venv/bin/python3.11\nimport sys\n")
@@ -500,6 +490,11 @@ def test_launch_runs_vllm_serve_as_the_api_server_module_of_its_own_python(
     ]
     # Anything else is run as given.
     assert vllm_serve_argv(["python", "-m", "x"]) == ["python", "-m", "x"]
+    # and the command says which engine launch configures
+    assert engines.for_command(["vllm", "serve", "meta/llama"]).name == "vllm"
+    assert engines.for_command(["python", "-m", "sglang.launch_server", "--model-path", "m"]).name == "sglang"
+    with pytest.raises(ckpt.ConfigError, match="cannot tell which engine"):
+        engines.for_command(["python", "-m", "x"])
 
 
 def test_launch_refuses_a_command_that_sets_its_own_connector(short_tmp: Path) -> None:
@@ -516,15 +511,21 @@ def test_launch_refuses_a_command_that_sets_its_own_connector(short_tmp: Path) -
             "--repo",
             str(short_tmp / "repo"),
             "--",
-            "python",
-            "-m",
-            "x",
+            "vllm",
+            "serve",
+            "m",
             "--kv-transfer-config",
             "{}",
         ],
     )
     assert r.exit_code == 2
     assert "already has --kv-transfer-config" in r.output
+    # a command of no engine gpuckpt knows is refused, named
+    r = CliRunner().invoke(
+        app, ["launch", "--runtime-dir", str(short_tmp), "--repo", str(short_tmp / "repo"), "--", "python", "-m", "x"]
+    )
+    assert r.exit_code == 2
+    assert "cannot tell which engine" in r.output
 
 
 def test_restore_dry_run_prints_the_compatibility_table_and_exits_5_when_refused(rig) -> None:

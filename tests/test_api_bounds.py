@@ -208,8 +208,11 @@ def test_restore_plan_resolves_only_this_workers_checkpoints(short_tmp: Path) ->
     # Ids start with the time: they share a prefix (the year, at least).
     both = "".join(a for a, _ in itertools.takewhile(lambda p: p[0] == p[1], zip(ids["w0"], ids["w1"], strict=False)))
     assert both
+    from agent import engines
+
     agent = SimpleNamespace(
         repo=repo,
+        engine=engines.get("vllm", short_tmp / "none.sock"),
         cfg=SimpleNamespace(
             worker_id="w0", connector_socket=str(short_tmp / "none.sock"), restore=SimpleNamespace(ignore_rules=[])
         ),

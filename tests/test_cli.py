@@ -49,7 +49,7 @@ WORKER = WorkerFacts(
     prefix_hash_algo="sha256",
     prefix_hash_seed="0",
 )
-LEDGER = {"schema": "test-ledger", "version": 1, "data": {"requests": [{"id": "a"}, {"id": "b"}]}}
+LEDGER = {"schema": "gpuckpt-vllm-ledger", "version": 2, "data": {"requests": [{"id": "a"}, {"id": "b"}]}}
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +210,7 @@ def test_inspect(repo_dir: tuple[Path, ckpt.Manifest]) -> None:
     doc = as_json(r)
     assert doc["id"] == m.id
     assert "blocks" not in doc
-    assert doc["ledger"]["schema"] == "test-ledger"
+    assert doc["ledger"]["schema"] == "gpuckpt-vllm-ledger"
     assert doc["pins"]["worker"]["block_size"] == 16
 
     doc = as_json(run("-r", str(path), "inspect", "w0:latest", "--json", "--blocks"))
@@ -220,7 +220,15 @@ def test_inspect(repo_dir: tuple[Path, ckpt.Manifest]) -> None:
     r = run("-r", str(path), "inspect", "latest", "--blocks")
     assert r.exit_code == 0, r.output
     out = r.stdout
-    for text in (m.id, "test-ledger v1", "present", "[2,num_blocks,16,4,8]", "FLASH_ATTN", m.blocks[0].key, "zstd"):
+    for text in (
+        m.id,
+        "gpuckpt-vllm-ledger v2",
+        "present",
+        "[2,num_blocks,16,4,8]",
+        "FLASH_ATTN",
+        m.blocks[0].key,
+        "zstd",
+    ):
         assert text in out, text
     assert re.search(r"ledger requests\s+│\s+2\b", out)
 

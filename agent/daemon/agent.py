@@ -34,7 +34,8 @@ from typing import Any
 from agent.daemon.config import AgentConfig
 from agent.daemon.metrics import Metrics
 from agent.daemon.notify import Notifier
-from ckpt import GpuckptError, KeySource, ObjectNotFound, OperationAborted, Policy, Repository
+from agent.engines import ledgers
+from ckpt import EngineMismatch, GpuckptError, KeySource, ObjectNotFound, OperationAborted, Policy, Repository
 from ckpt.save import SaveProgress
 
 log = logging.getLogger("gpuckpt.agent")
@@ -104,6 +105,11 @@ class Agent:
         self.last_precopy: dict[str, Any] | None = None
         self._precopy_running = threading.Event()
         self._swept_connector = False
+        from agent.engines import driver, get
+        from agent.fs import Trust
+
+        #: the worker, reached through its engine's adapter (every worker call goes through it)
+        self.engine = get(cfg.engine, cfg.connector_socket, driver.Staging(cfg.staging_dir, Trust.of(cfg.shared_group)))
         self.preempted: dict[str, Any] | None = None
         self._canary: tuple[Any, dict[str, Any]] | None = None  # (worker pid, record)
         self._client: Any = None  # ServeClient for the canary, made at the first checkpoint
@@ -269,9 +275,6 @@ class Agent:
                 t.done.set()
 
     def _run_checkpoint(self, t: Ticket) -> None:
-        from agent.engines import driver
-        from agent.engines.vllm.serve import ServeClient
-
         assert self.repo is not None
         log.info("checkpoint started", extra={"ticket": t.id, "triggers": list(t.triggers)})
         t0 = time.monotonic()
@@ -280,7 +283,7 @@ class Agent:
         trigger = t.triggers[0]
         self.notifier.status(f"checkpointing ({', '.join(t.triggers)})")
         if self._client is None and self.cfg.worker_url and self.cfg.checkpoint.canary:
-            self._client = ServeClient(self.cfg.worker_url)  # kept: a final checkpoint must not build one
+            self._client = self.engine.client(self.cfg.worker_url)  # kept: a final checkpoint must not build one
         client = self._client
 
         def captured(stats: dict[str, Any]) -> None:
@@ -295,15 +298,13 @@ class Agent:
                 t.state = "capturing"  # from here on a new trigger queues another checkpoint
             t.progress = {"phase": "capturing"}
             canary = self._canary_record(client)
-            m = driver.checkpoint(
-                self.cfg.connector_socket,
+            done = self.engine.checkpoint(
                 self.repo,
                 self.cfg.worker_id,
                 labels={"trigger": ",".join(sorted(set(t.triggers)))},
                 timeout=self.cfg.checkpoint.capture_timeout.total_seconds(),
                 max_staging=self.cfg.checkpoint.max_staging,
                 copy_per_step=self.cfg.checkpoint.copy_per_step,
-                where=self._staging(),
                 canary=canary,
                 deadline=deadline,
                 progress=progress,
@@ -319,7 +320,7 @@ class Agent:
             log.error("checkpoint %s", outcome, extra={"ticket": t.id, "triggers": t.triggers, "error": t.error})
             self.notifier.status(f"checkpoint {outcome}: {t.error}"[:200])
             return
-        stats = {**driver.last_checkpoint_stats(), "total_s": time.monotonic() - t0}
+        m, stats = done.manifest, {**done.stats, "total_s": time.monotonic() - t0}
         t.state, t.checkpoint, t.stats = "done", m.id, stats
         t.progress["phase"] = "done"
         self.worker.update(attached=True, last_seen=_now(), error=None)
@@ -338,7 +339,7 @@ class Agent:
             "new_blocks": m.sizes.new_blocks,
             "stored_bytes": m.sizes.stored_bytes,
             "new_stored_bytes": m.sizes.new_stored_bytes,
-            "requests": len(m.ledger.data.get("requests", [])) if m.ledger is not None else 0,
+            "requests": ledgers.request_count(m.ledger),
             "timings": {k: round(float(stats.get(k, 0.0)), 4) for k in ("wait_s", "capture_s", "write_s", "save_s")},
         }
         log.info(
@@ -348,21 +349,13 @@ class Agent:
         self.notifier.status(self._status_line())
         self._retention()
 
-    def _staging(self) -> Any:
-        """Where the connector's page files may be and whom to trust with them (``driver.Staging``)."""
-        from agent.engines import driver
-        from agent.fs import Trust
-
-        return driver.Staging(self.cfg.staging_dir, Trust.of(self.cfg.shared_group))
-
     def _canary_record(self, client: Any) -> dict[str, Any] | None:
         """The worker's canary, probed once per worker process and reused by every checkpoint."""
         from agent.engines import canary as canary_mod
-        from agent.engines import control
 
         if client is None:
             return None
-        pid = control.call(self.cfg.connector_socket, "ping").get("pid")
+        pid = self.engine.ping()
         if self._canary is None or self._canary[0] != pid:
             self._canary = (pid, canary_mod.record(client.generate))
         return self._canary[1]
@@ -436,19 +429,15 @@ class Agent:
     def _precopy(self) -> None:
         """Store the worker's new cached blocks ahead of the next checkpoint (see ``driver.precopy``);
         a checkpoint's capture supersedes it, and any failure only costs that checkpoint a larger copy."""
-        from agent.engines import driver
-
         assert self.repo is not None
         c = self.cfg.checkpoint
         try:
-            out = driver.precopy(
-                self.cfg.connector_socket,
+            out = self.engine.precopy(
                 self.repo,
                 timeout=c.capture_timeout.total_seconds(),
                 copy_per_step=c.copy_per_step,
                 max_staging=c.max_staging,
                 deadline=time.monotonic() + c.deadline.total_seconds(),
-                where=self._staging(),
             )
             self.last_precopy = {"at": _now(), **out}
             self.metrics.precopy_bytes.inc(int(out.get("new_raw_bytes") or 0))
@@ -482,7 +471,7 @@ class Agent:
         if self._swept_connector:
             return
         try:
-            removed = driver.sweep(self.cfg.connector_socket)
+            removed = self.engine.sweep()
         except (OSError, ValueError, RuntimeError):
             return  # no worker yet: swept when it attaches
         self._swept_connector = True
@@ -491,19 +480,18 @@ class Agent:
 
     def _wait_for_worker(self, budget: float) -> bool:
         from agent import fs
-        from agent.engines import driver
 
         end = time.monotonic() + budget
         warned = False
         while time.monotonic() < end and not self._stopping.is_set():
             try:
                 # a connector socket someone else could have made is never talked to
-                fs.check_socket(self.cfg.connector_socket, self._staging().trust)
-                driver.describe(self.cfg.connector_socket)
+                fs.check_socket(self.cfg.connector_socket, self.engine.staging.trust)
+                self.engine.describe()
                 self.worker.update(attached=True, last_seen=_now(), error=None)
                 self._sweep_staging()
                 return True
-            except fs.UnsafePath as exc:
+            except (fs.UnsafePath, EngineMismatch) as exc:
                 self.worker.update(attached=False, error=_describe(exc))
                 if not warned:
                     log.error("refusing the connector socket", extra={"error": str(exc)})
@@ -516,9 +504,6 @@ class Agent:
 
     def restore_at_start(self) -> dict[str, Any]:
         """Restore this worker's checkpoint (warm or cold with replay) into the attached worker."""
-        from agent.engines import driver
-        from agent.engines.vllm.serve import ServeClient
-
         assert self.repo is not None
         ref = self.cfg.restore.checkpoint
         ref = f"{self.cfg.worker_id}:latest" if ref == "latest" else ref
@@ -537,20 +522,18 @@ class Agent:
             rep.update(outcome="failed", reasons=[f"worker not reachable: {self.worker.get('error')}"])
             self.metrics.restores.labels(outcome="failed", reason="worker unreachable").inc()
             return rep
-        client = ServeClient(self.cfg.worker_url) if self.cfg.worker_url else None
+        client = self.engine.client(self.cfg.worker_url) if self.cfg.worker_url else None
         try:
             if client is not None:
                 client.wait_ready(self.cfg.restore.wait_for_worker.total_seconds())
-            plan = driver.restore(
+            plan = self.engine.restore(
                 self.repo,
                 info.id,
-                self.cfg.connector_socket,
                 policy=Policy.from_strings(ignore=self.cfg.restore.ignore_rules),
                 generate=client.generate if client is not None else None,
                 require_canary=self.cfg.restore.require_canary,
                 offer_ttl=self.cfg.restore.offer_ttl.total_seconds(),
                 max_staging=self.cfg.restore.max_staging,
-                trust=self._staging().trust,
             )
         except Exception as exc:
             rep.update(outcome="failed", reasons=[_describe(exc)])

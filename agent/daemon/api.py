@@ -392,37 +392,15 @@ def route(agent: Agent, method: str, path: str, query: dict[str, list[str]], bod
 
 
 def restore_plan(agent: Agent, ref: str) -> dict[str, Any]:
-    """The compatibility table of checkpoint ``ref`` against this host and the attached worker."""
-    from agent.engines import driver
-    from ckpt import Pins, Policy, decide, host_facts
+    """The restore decision for checkpoint ``ref`` against this host and the attached worker
+    (:meth:`agent.engines.base.Engine.plan`, serialized as the CLI's ``restore --dry-run`` does)."""
+    from ckpt import EngineError, Policy
 
     m = _own_manifest(agent, ref)
     try:
-        desc = driver.describe(agent.cfg.connector_socket)
-    except (OSError, ValueError, RuntimeError) as exc:
-        return {"checkpoint": m.id, "warm": False, "reasons": [f"worker not reachable: {exc}"], "rules": []}
-    d = decide(
-        m.pins, Pins(host=host_facts(), worker=desc.facts), Policy.from_strings(ignore=agent.cfg.restore.ignore_rules)
-    )
-    reasons = list(d.reasons)
-    if dict(m.namespace) != dict(desc.namespace_fields):
-        reasons.append(f"namespace: checkpoint {m.namespace} != worker {dict(desc.namespace_fields)}")
-    return {
-        "checkpoint": m.id,
-        "warm": not reasons,
-        "reasons": reasons,
-        "rules": [
-            {
-                "rule": r.rule,
-                "verdict": str(r.verdict),
-                "recorded": r.recorded,
-                "current": r.current,
-                "detail": r.detail,
-            }
-            for r in d.results
-        ],
-        "requests": len(m.ledger.data.get("requests", [])) if m.ledger is not None else 0,
-    }
+        return agent.engine.plan(m, Policy.from_strings(ignore=agent.cfg.restore.ignore_rules)).to_json()
+    except (OSError, EngineError) as exc:
+        return {"checkpoint": m.id, "warm": False, "reasons": [f"worker not reachable: {exc}"], "results": []}
 
 
 def _own_manifest(agent: Agent, ref: str) -> Manifest:

@@ -173,8 +173,12 @@ class AgentConfig(BaseSettings):
     worker_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     repository: str
     key: str | None = Field(None, description="key source: file:/path or env:NAME")
-    engine: Literal["vllm"] = "vllm"
-    connector_socket: Path
+    engine: Literal["vllm", "sglang"] = Field(
+        "vllm", description="the worker's serving engine: how its adapter is reached and its requests resubmitted"
+    )
+    connector_socket: Path = Field(
+        description="the control socket of the worker's gpuckpt adapter (vLLM's connector, SGLang's cache linker)"
+    )
     staging_dir: Path | None = Field(
         None,
         description="the worker's staging directory (its connector's staging_dir): the page files the "

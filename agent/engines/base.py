@@ -1,8 +1,9 @@
 """The engine-neutral interface between the agent (and ``ckpt``) and a serving engine.
 
-An engine adapter (``agent.engines.vllm``, later an SGLang sibling) lives
+An engine adapter (``agent.engines.vllm``, ``agent.engines.sglang``) lives
 inside the serving process and answers three questions through these types;
-nothing here imports an engine.
+nothing here imports an engine. :class:`Engine` is how the agent, its API
+and the CLI reach a worker of either.
 
 1. *Who are you?* — :class:`WorkerDescription`: the worker's pins
    (:class:`ckpt.WorkerFacts`), its KV layout (a JSON-able dict stored in the
@@ -27,13 +28,31 @@ Contracts:
 
 from __future__ import annotations
 
+import abc
+import os
+import shlex
+import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ckpt import Block, Existing, Ledger, Namespace, WorkerFacts
+from ckpt import Block, Existing, Ledger, Manifest, Namespace, WorkerFacts
+from ckpt.errors import EngineMismatch
 
-__all__ = ["Capture", "Engine", "Resubmission", "RestorePlan", "WorkerDescription"]
+if TYPE_CHECKING:
+    from agent.engines.driver import Decision
+
+__all__ = [
+    "Capture",
+    "Checkpointed",
+    "Completion",
+    "Engine",
+    "RestorePlan",
+    "Resubmission",
+    "ServingClient",
+    "WorkerDescription",
+]
 
 
 @dataclass(frozen=True)
@@ -123,13 +142,157 @@ class RestorePlan:
         return self.blocks_offered + (int(self.rest.offered) if self.rest is not None else 0)
 
 
-class Engine(Protocol):
-    """The calls the agent makes on a running worker (over the adapter's control channel)."""
+@dataclass(frozen=True)
+class Checkpointed:
+    """A checkpoint taken: the visible manifest and what it cost (pause, copy, save; see
+    :func:`agent.engines.driver.checkpoint`)."""
 
-    def describe(self) -> WorkerDescription: ...
+    manifest: Manifest
+    stats: dict[str, Any]
 
-    def capture(self, timeout: float = ...) -> Capture: ...
 
-    def offer(self, blocks: Iterable[Block]) -> int:
-        """Make ``blocks`` available as external cache hits; returns how many were accepted."""
+class Completion(Protocol):
+    """One finished (re)submission as a serving client reports it."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    cached_tokens: int | None
+
+
+class ServingClient(Protocol):
+    """The worker's request API as the agent uses it: the canary probe and resubmission."""
+
+    def wait_ready(self, timeout: float = ..., alive: Callable[[], bool] | None = ...) -> float: ...
+
+    def generate(self, prompt_ids: list[int], n: int) -> list[int]:
+        """Greedy: ``n`` new tokens after ``prompt_ids`` (the canary probe)."""
         ...
+
+    def submit(self, requests: Iterable[Resubmission]) -> Mapping[str, Completion]:
+        """Each request under its original id, to completion; outputs by request id."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Engine(abc.ABC):
+    """A serving engine's worker, as the daemon, its API and the CLI reach it.
+
+    The worker half (inside the serving process: vLLM's KV connector,
+    SGLang's cache linker) answers gpuckpt's control protocol on
+    ``socket`` (:mod:`agent.engines.control`) and exchanges pages through
+    page files (:mod:`agent.engines.staging`), the same for every engine, so
+    checkpointing, restore planning (pins, namespace, policy, canary,
+    resubmission) and streaming are engine-neutral
+    (:mod:`agent.engines.driver`) and written once. What an engine adds is
+    how its worker is started (:meth:`worker_command`) and how requests get
+    back into it (:meth:`client`); the ledger's layout is its own package's
+    (:mod:`agent.engines.ledgers`). Get one with :func:`agent.engines.get`.
+    """
+
+    #: the name in ``engine = ...`` and in a worker's pins (``WorkerFacts.engine``)
+    name: ClassVar[str]
+    #: the port its API server listens on when the command names none
+    default_port: ClassVar[int]
+
+    def __init__(self, socket: str | os.PathLike[str], staging: Any = None) -> None:
+        from agent.engines import driver
+
+        self.socket = socket
+        #: where the worker's page files may be and whom to trust with them (``driver.Staging``)
+        self.staging = staging if staging is not None else driver.Staging()
+
+    # -- the worker's half, over the control channel (engine-neutral) --
+
+    def ping(self) -> int:
+        """The worker process's pid (it answers: the adapter is loaded)."""
+        from agent.engines import control
+
+        return int(control.call(self.socket, "ping")["pid"])
+
+    def describe(self) -> WorkerDescription:
+        """The worker's pins, layout and namespace; :class:`ckpt.EngineMismatch` if it is another engine."""
+        from agent.engines import driver
+
+        desc = driver.describe(self.socket)
+        if desc.facts.engine and desc.facts.engine != self.name:
+            raise EngineMismatch(
+                f"the worker on {self.socket} runs {desc.facts.engine}, not {self.name} (the agent's `engine` setting)"
+            )
+        return desc
+
+    def checkpoint(self, repo: Any, worker_id: str, **kw: Any) -> Checkpointed:
+        """Capture and save (see :func:`agent.engines.driver.checkpoint` for the keywords)."""
+        from agent.engines import driver
+
+        self.describe()  # the engine it claims to be, or EngineMismatch before anything is captured
+        stats: dict[str, Any] = {}
+        m = driver.checkpoint(self.socket, repo, worker_id, where=self.staging, stats=stats, **kw)
+        return Checkpointed(m, stats)
+
+    def precopy(self, repo: Any, **kw: Any) -> dict[str, Any]:
+        """Store new cached pages ahead of the next checkpoint (:func:`agent.engines.driver.precopy`)."""
+        from agent.engines import driver
+
+        return driver.precopy(self.socket, repo, where=self.staging, **kw)
+
+    def plan(self, manifest: Manifest, policy: Any = None) -> Decision:
+        """Would a restore of ``manifest`` into this worker be warm, and why not
+        (:func:`agent.engines.driver.restore_decision`); changes nothing."""
+        from agent.engines import driver
+
+        return driver.restore_decision(manifest, self.describe(), policy)
+
+    def restore(self, repo: Any, ref: str, **kw: Any) -> RestorePlan:
+        """Plan and offer a restore (:func:`agent.engines.driver.restore`)."""
+        from agent.engines import driver
+
+        self.describe()
+        return driver.restore(repo, ref, self.socket, trust=self.staging.trust, **kw)
+
+    def withdraw(self) -> int:
+        """End the worker's restore offer; returns the page files it held."""
+        from agent.engines import driver
+
+        return driver.withdraw(self.socket)
+
+    def sweep(self) -> list[str]:
+        """Delete capture page files nobody owns (a killed agent's), on the worker's side."""
+        from agent.engines import driver
+
+        return driver.sweep(self.socket)
+
+    def stats(self) -> dict[str, Any]:
+        """The worker half's counters (restored tokens per request, steps, offers)."""
+        from agent.engines import driver
+
+        return driver.stats(self.socket)
+
+    # -- what differs by engine --
+
+    @abc.abstractmethod
+    def client(self, url: str) -> ServingClient:
+        """A client of the worker's request API at ``url`` (canary probe, resubmission)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def runs(cls, command: list[str]) -> bool:
+        """Whether ``command`` (``gpuckpt launch -- ...``) starts a worker of this engine."""
+
+    @classmethod
+    @abc.abstractmethod
+    def worker_command(
+        cls, command: list[str], *, control_socket: str, staging_dir: str | None, shared_group: str | None
+    ) -> list[str]:
+        """``command`` with this engine's gpuckpt adapter configured (its own flags, no patch)."""
+
+
+def script_python(script: str) -> str:
+    """The interpreter a console script runs with (its ``#!`` line; ours where it cannot be read)."""
+    path = shutil.which(script)
+    if path:
+        with open(path, "rb") as f:
+            first = f.readline().decode(errors="replace")
+        if first.startswith("#!"):
+            return shlex.split(first[2:].strip())[0]
+    return sys.executable

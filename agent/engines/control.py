@@ -49,16 +49,18 @@ from pathlib import Path
 from typing import Any
 
 from agent.slots import Conn, Slots
-from ckpt.errors import ServiceUnavailable
+from ckpt.errors import EngineRefused, WorkerUnreachable
 
 log = logging.getLogger(__name__)
 
 
-class ControlError(ServiceUnavailable, RuntimeError):
-    """The connector refused or failed a control call, or the channel broke; the message says which.
+class ControlError(EngineRefused, RuntimeError):
+    """The worker's adapter refused or failed a control call, or the channel broke; the message says which.
 
-    A :class:`ckpt.errors.ServiceUnavailable` (exit code of an unreachable
-    worker) and, for callers written against the first slice, a ``RuntimeError``.
+    A :class:`ckpt.errors.EngineRefused` (exit code of an unavailable worker)
+    and, for callers written against the first slice, a ``RuntimeError``. A
+    socket nobody answers on is :class:`ckpt.errors.WorkerUnreachable` (also
+    an ``OSError``).
     """
 
 
@@ -293,7 +295,7 @@ def _say(sock: socket.socket, error: str) -> None:
 
 def call(path: str | os.PathLike[str], cmd: str, *, io_timeout: float = 60.0, **args: Any) -> dict[str, Any]:
     """One request; raises :class:`ControlError` on an ``ok: false`` reply or a broken channel
-    (``OSError`` when the socket cannot be reached at all)."""
+    (:class:`ckpt.errors.WorkerUnreachable`, an ``OSError``, when the socket cannot be reached at all)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(io_timeout)
         _connect(s, path, cmd, io_timeout)
@@ -334,6 +336,8 @@ def _connect(s: socket.socket, path: str | os.PathLike[str], cmd: str, io_timeou
                     f"gpuckpt control {cmd!r}: the connector's accept backlog stayed full for {io_timeout:.0f} s"
                 ) from None
             time.sleep(0.005)
+        except OSError as exc:  # nothing listening (no worker yet, or it died), or no socket at all
+            raise WorkerUnreachable(f"no worker adapter answering on {path}: {exc.strerror or exc}") from exc
 
 
 def _recv_line(s: socket.socket, cmd: str, io_timeout: float) -> bytes:

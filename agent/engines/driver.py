@@ -21,8 +21,6 @@ recompute that part (never a wrong token).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import dataclasses
 import logging
@@ -35,11 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.engines import canary as canary_mod
-from agent.engines import control, shards, staging
+from agent.engines import control, ledgers, shards, staging
 from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
-from agent.engines.vllm.capture import save_queue_bound
-from agent.engines.vllm.ledger import read as read_ledger
-from agent.engines.vllm.ledger import resubmissions
 from agent.fs import Trust
 from ckpt import (
     Block,
@@ -55,7 +50,7 @@ from ckpt import (
     decide,
     host_facts,
 )
-from ckpt.compat import STRICT
+from ckpt.compat import STRICT, RuleResult, rule_json
 from ckpt.save import SaveOptions, SaveProgress
 
 Socket = str | os.PathLike[str]
@@ -294,8 +289,12 @@ def checkpoint(
     max_staging: int | None = None,
     copy_per_step: int | None = None,
     where: Staging | None = None,
+    stats: dict[str, Any] | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
+
+    ``stats``, when given, receives the checkpoint's timings and counts (the
+    capture's, the save's, the canary's): pause, copy, staging peak.
 
     ``generate(prompt_ids, n)`` (greedy, on this worker) records the canary
     just before the capture; without it the manifest has no canary.
@@ -369,8 +368,8 @@ def checkpoint(
         control.call(sock, "durable", add=sorted({b.key for b in m.blocks}))
     except (OSError, control.ControlError) as exc:  # only costs the next capture a full copy
         log.warning("could not acknowledge durable keys", extra={"error": str(exc)})
-    _LAST_STATS.clear()
-    _LAST_STATS.update(timings)
+    if stats is not None:
+        stats.update(timings)
     return m
 
 
@@ -379,7 +378,7 @@ def _save_options(repo: Repository, cap: Capture) -> SaveOptions:
     capture's staging bound (those pages are still mapped staging)."""
     opts = repo.default_save_options()
     bound = cap.stats.get("max_staging_bytes")
-    return dataclasses.replace(opts, max_queued_raw=save_queue_bound(int(bound))) if bound else opts
+    return dataclasses.replace(opts, max_queued_raw=max(1, int(bound) // 2)) if bound else opts
 
 
 def _failures(errors: list[BlockFailure]) -> list[str]:
@@ -434,50 +433,12 @@ def precopy(
     }
 
 
-#: Stats of the last :func:`checkpoint` in this process (pause, copy, save times).
-_LAST_STATS: dict[str, Any] = {}
-
-
-def last_checkpoint_stats() -> dict[str, Any]:
-    return dict(_LAST_STATS)
-
-
 def _request_states(m: Manifest, *, warm: bool) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
-    """What each ledger entry needs beyond its tokens, by client id, and why some cannot have it.
-
-    Earlier outputs (for penalties / bad words and to advance a grammar)
-    apply warm or cold: they are the request's semantics, not the cache's.
-    The seeded sampler state applies on a warm restore only.
-    """
-    from agent.engines.vllm.ledger import PRIOR_OUTPUTS_NEEDED
-
-    states: dict[str, dict[str, Any]] = {}
-    problems: dict[str, list[str]] = {}
-    entries = read_ledger(m.ledger) if m.ledger is not None else []
-    for e in entries:
-        cid = e["client_request_id"]
-        st: dict[str, Any] = {}
-        outs = list(e["output_token_ids"])
-        if outs and any(e["sampling"].get(f) for f in PRIOR_OUTPUTS_NEEDED):
-            st["prior_outputs"] = outs
-        if outs and e.get("structured_outputs"):
-            st["grammar_outputs"] = outs
-        g = e.get("generator_state")
-        if g:
-            if not warm:
-                problems.setdefault(cid, []).append(
-                    "seeded sampling: the sampler state is carried on a warm restore only"
-                )
-            else:
-                try:
-                    if not base64.b64decode(str(g), validate=True):
-                        raise ValueError("empty")
-                    st["generator_state"] = g
-                except (ValueError, binascii.Error) as exc:
-                    problems.setdefault(cid, []).append(f"seeded sampling: the generator state is corrupt ({exc})")
-        if st:
-            states[cid] = st
-    return states, problems
+    """What each ledger entry needs beyond its tokens, by request id, and why some cannot have it
+    (the ledger's own engine package judges: :func:`agent.engines.ledgers.format_of`)."""
+    if m.ledger is None:
+        return {}, {}
+    return ledgers.format_of(m.ledger).request_states(m.ledger, warm=warm)
 
 
 def _annotate(requests: list[Resubmission], problems: dict[str, list[str]]) -> list[Resubmission]:
@@ -519,12 +480,7 @@ def _first_keys(sock: Socket, m: Manifest) -> tuple[list[bytes], list[bytes]]:
     reads: keys computed by the new worker's engine from their tokens (:meth:`keys` on the connector)."""
     if m.ledger is None and m.canary is None:
         return [], []
-    reqs = []
-    for e in read_ledger(m.ledger) if m.ledger is not None else []:
-        toks = list(e["prompt_token_ids"]) + list(e["output_token_ids"])
-        if e.get("lora"):
-            continue  # its block hashes name the adapter's path, which the ledger does not carry
-        reqs.append({"token_ids": toks, "kv_tokens": int(e["num_computed_tokens"]), "cache_salt": e["cache_salt"]})
+    reqs = ledgers.format_of(m.ledger).key_requests(m.ledger) if m.ledger is not None else []
     if m.canary is not None:
         toks = list(m.canary.get("prompt_token_ids", [])) + list(m.canary.get("expected", []))
         reqs.append({"token_ids": toks, "kv_tokens": max(0, len(toks) - 1), "cache_salt": None})
@@ -664,6 +620,45 @@ class _RestoreRest:
             self._done.set()
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether checkpoint ``checkpoint`` restores warm into a worker, and why not: the one
+    verdict the CLI, the agent's API and :func:`restore` give, serialized one way (:meth:`to_json`)."""
+
+    checkpoint: str
+    warm: bool
+    reasons: list[str]
+    results: list[RuleResult]
+    policy: Policy
+    requests: int
+    blocks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint,
+            "warm": self.warm,
+            "reasons": list(self.reasons),
+            "requests": self.requests,
+            "blocks": self.blocks,
+            "results": [rule_json(r, self.policy) for r in self.results],
+        }
+
+
+def restore_decision(m: Manifest, desc: WorkerDescription, policy: Policy | None = None) -> Decision:
+    """The restore decision for checkpoint ``m`` and the worker ``desc`` describes, on this host:
+    the pins' rules (:func:`ckpt.decide` under ``policy``), the block namespace and the TP shards.
+    (The canary is judged by :func:`restore`, on the worker.)"""
+    policy = policy or STRICT
+    decision = decide(m.pins, Pins(host=host_facts(), worker=desc.facts), policy)
+    reasons = list(decision.reasons)
+    if dict(m.namespace) != dict(desc.namespace_fields):
+        reasons.append(f"namespace: checkpoint {dict(m.namespace)} != worker {dict(desc.namespace_fields)}")
+    reasons += _shard_reasons(m)
+    return Decision(
+        m.id, not reasons, reasons, decision.results, policy, ledgers.request_count(m.ledger), m.sizes.blocks
+    )
+
+
 def restore(
     repo: Repository,
     ref: str,
@@ -721,14 +716,10 @@ def restore(
 
     m = repo.manifest(ref)
     t = lap("manifest_s", t0)
-    requests = resubmissions(m.ledger) if m.ledger is not None else []
+    requests = ledgers.format_of(m.ledger).resubmissions(m.ledger) if m.ledger is not None else []
     desc = describe(sock)
     t = lap("describe_s", t)
-    decision = decide(m.pins, Pins(host=host_facts(), worker=desc.facts), policy)
-    reasons = list(decision.reasons)
-    if dict(m.namespace) != dict(desc.namespace_fields):
-        reasons.append(f"namespace: checkpoint {m.namespace} != worker {dict(desc.namespace_fields)}")
-    reasons += _shard_reasons(m)
+    reasons = list(restore_decision(m, desc, policy).reasons)
     if require_canary and m.canary is None:
         reasons.append(f"canary: checkpoint {m.id} recorded no probe, so a warm restore could not be checked")
     elif require_canary and generate is None:
@@ -963,24 +954,3 @@ def wait_until(sock: Socket, *, live: int, min_outputs: int = 0, timeout: float 
     """
     when = {"live": live, "min_outputs": min_outputs}
     return control.call(sock, "wait", io_timeout=timeout + 5, timeout=timeout, when=when)
-
-
-# -- offline LLM helpers -------------------------------------------------------------
-
-
-def submit(llm: Any, requests: list[Resubmission]) -> None:
-    """Add resubmissions to an offline ``vllm.LLM`` under their original request ids."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import StructuredOutputsParams
-
-    for r in requests:
-        prompt = TokensPrompt(prompt_token_ids=list(r.token_ids))
-        if r.cache_salt is not None:
-            prompt["cache_salt"] = r.cache_salt
-        sampling = dict(r.sampling)
-        if sampling.get("logit_bias"):  # JSON keys are strings; the offline API takes token ids
-            sampling["logit_bias"] = {int(k): float(v) for k, v in sampling["logit_bias"].items()}
-        if sampling.get("structured_outputs") is not None:
-            sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
-        llm.llm_engine.add_request(r.request_id, prompt, SamplingParams(**sampling), priority=r.priority)

@@ -48,19 +48,19 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         a.wait_ready()
         probe = canary.record(a.client.generate)
         turn1 = {k: a.client.complete(convs[k], TURN, stream=False) for k in list(convs)[:8]}
-        out["m1"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe)
-        out["s1"] = driver.last_checkpoint_stats()
+        out["s1"] = {}
+        out["m1"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, stats=out["s1"])
         # about 10 % new KV: one more conversation
         turn1["c8"] = a.client.complete(convs["c8"], TURN, stream=False)
-        out["m2"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe)
-        out["s2"] = driver.last_checkpoint_stats()
+        out["s2"] = {}
+        out["m2"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, stats=out["s2"])
         out["loads"] = {"m1": loads_whole(repo, out["m1"]), "m2": loads_whole(repo, out["m2"])}
         # keys the connector holds for durable, gone from the repository
         for info in repo.list():
             repo.delete(info.id)
         repo.gc(now=True, grace=timedelta(0))
-        out["m3"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe)
-        out["s3"] = driver.last_checkpoint_stats()
+        out["s3"] = {}
+        out["m3"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, stats=out["s3"])
         out["loads"]["m3"] = loads_whole(repo, out["m3"])
         nxt = {k: convs[k] + turn1[k].token_ids + toks(16) for k in ("c0", "c8")}
         out["reference"] = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in nxt.items()}
@@ -78,8 +78,8 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         out["resumed"] = {k: b.client.complete(p, TURN, stream=False) for k, p in nxt.items()}
         out["prompts"] = nxt
         # the restore's offered keys are durable: the restored worker's first checkpoint copies little
-        out["m4"] = driver.checkpoint(b.control_socket, repo, "w0", canary=probe)
-        out["s4"] = driver.last_checkpoint_stats()
+        out["s4"] = {}
+        out["m4"] = driver.checkpoint(b.control_socket, repo, "w0", canary=probe, stats=out["s4"])
         out["loads"]["m4"] = loads_whole(repo, out["m4"])
     return out
 

@@ -96,6 +96,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             for t in threads:
                 t.start()
 
+        out["stats"] = {}
         m = driver.checkpoint_around(
             a.control_socket,
             start,
@@ -105,10 +106,10 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             when={"live": len(live), "min_outputs": 40},
             timeout=240,
             max_staging=bound,
+            stats=out["stats"],
         )
         done.set()
         sampler.join()
-        out["stats"] = driver.last_checkpoint_stats()
         out["sampled_peak"] = peak[0]
         out["checkpoint"] = m
         errors: list = []

@@ -228,6 +228,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from agent.engines import driver
+    from agent.engines.vllm import offline
     from ckpt import Repository
 
     t_start = time.monotonic()
@@ -267,10 +268,11 @@ def main() -> None:
         eng.add_request("seeded0", TokensPrompt(prompt_token_ids=prompts["seeded0"]), seeded)
         outs = {}
         drain(llm, outs, until=lambda o: len(o) == 4 and min(len(v["tokens"]) for v in o.values()) >= 40)
-        m = driver.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
+        st: dict = {}
+        m = driver.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs), stats=st)
         res["canary"] = m.canary
         res["checkpoint"] = m.id
-        res["checkpoint_stats"] = driver.last_checkpoint_stats()
+        res["checkpoint_stats"] = st
         res["sizes"] = m.sizes.model_dump()
         res["ledger_outputs"] = {e["client_request_id"]: len(e["output_token_ids"]) for e in m.ledger.data["requests"]}
         res["ledger_generators"] = [
@@ -285,7 +287,7 @@ def main() -> None:
             repo, a["checkpoint"], a["socket"], staging_dir=a["staging"], generate=make_generate(llm, gen_outs)
         )
         res["warm"], res["reasons"], res["restore_stats"] = plan.warm, plan.reasons, plan.stats
-        driver.submit(llm, plan.requests)
+        offline.submit(llm, plan.requests)
         outs = {}
         first: dict = {}
 
@@ -337,7 +339,7 @@ def main() -> None:
             f["connector_after_restore"] = driver.stats(a["socket"])
             # new ids: the first pass's requests (same client ids) are finished, but keep them apart
             again = [dataclasses.replace(r, request_id=r.request_id + "-again") for r in plan.requests]
-            driver.submit(llm, again)
+            offline.submit(llm, again)
             outs = {}
             drain(llm, outs)
             f["restored"] = {r.request_id: r.token_ids + outs[r.request_id + "-again"]["tokens"] for r in plan.requests}

@@ -49,6 +49,8 @@ continuation then differs from the uninterrupted run).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -260,3 +262,57 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
             )
         )
     return out
+
+
+def request_states(
+    ledger: Ledger | dict[str, Any], *, warm: bool
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    """What each ledger entry needs beyond its tokens, by client id, and why some cannot have it.
+
+    Earlier outputs (for penalties / bad words and to advance a grammar)
+    apply warm or cold: they are the request's semantics, not the cache's.
+    The seeded sampler state applies on a warm restore only.
+    """
+    states: dict[str, dict[str, Any]] = {}
+    problems: dict[str, list[str]] = {}
+    for e in read(ledger):
+        cid = e["client_request_id"]
+        st: dict[str, Any] = {}
+        outs = list(e["output_token_ids"])
+        if outs and any(e["sampling"].get(f) for f in PRIOR_OUTPUTS_NEEDED):
+            st["prior_outputs"] = outs
+        if outs and e.get("structured_outputs"):
+            st["grammar_outputs"] = outs
+        g = e.get("generator_state")
+        if g:
+            if not warm:
+                problems.setdefault(cid, []).append(
+                    "seeded sampling: the sampler state is carried on a warm restore only"
+                )
+            else:
+                try:
+                    if not base64.b64decode(str(g), validate=True):
+                        raise ValueError("empty")
+                    st["generator_state"] = g
+                except (ValueError, binascii.Error) as exc:
+                    problems.setdefault(cid, []).append(f"seeded sampling: the generator state is corrupt ({exc})")
+        if st:
+            states[cid] = st
+    return states, problems
+
+
+def key_requests(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``keys`` command's requests (token ids, tokens of KV, cache salt): which pages each
+    resubmitted request reads, hashed by the new worker's block hasher."""
+    reqs = []
+    for e in read(ledger):
+        if e.get("lora"):
+            continue  # its block hashes name the adapter's path, which the ledger does not carry
+        toks = list(e["prompt_token_ids"]) + list(e["output_token_ids"])
+        reqs.append({"token_ids": toks, "kv_tokens": int(e["num_computed_tokens"]), "cache_salt": e["cache_salt"]})
+    return reqs
+
+
+def count(ledger: Ledger | dict[str, Any]) -> int:
+    """Requests the ledger holds."""
+    return len(read(ledger))

@@ -1,0 +1,59 @@
+"""Which engine package reads a ledger: chosen by the ledger's ``schema``, never by guessing.
+
+A checkpoint's ledger is written by one engine's adapter and read by the
+agent (restore, replay) and by the CLI (``show``). Its layout is that
+engine's business: each engine package has a ledger module (no engine
+import: the agent reads it) with the functions of :class:`LedgerFormat`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any, Protocol, cast
+
+from agent.engines.base import Resubmission
+from ckpt import Ledger
+from ckpt.errors import FormatError
+
+__all__ = ["FORMATS", "LedgerFormat", "format_of", "request_count"]
+
+
+class LedgerFormat(Protocol):
+    """One engine's ledger: what the agent needs of it."""
+
+    SCHEMA: str
+
+    def read(self, ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def resubmissions(self, ledger: Ledger | dict[str, Any]) -> list[Resubmission]: ...
+
+    def request_states(
+        self, ledger: Ledger | dict[str, Any], *, warm: bool
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]: ...
+
+    def key_requests(self, ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def count(self, ledger: Ledger | dict[str, Any]) -> int: ...
+
+
+#: ledger schema → the module that reads it
+FORMATS: dict[str, str] = {
+    "gpuckpt-vllm-ledger": "agent.engines.vllm.ledger",
+    "gpuckpt-sglang-ledger": "agent.engines.sglang.ledger",
+}
+
+
+def format_of(ledger: Ledger | dict[str, Any]) -> LedgerFormat:
+    """The reader of ``ledger``'s schema, or :class:`ckpt.FormatError` naming the schema."""
+    schema = ledger.schema_ if isinstance(ledger, Ledger) else ledger.get("schema")
+    name = FORMATS.get(str(schema))
+    if name is None:
+        raise FormatError(f"ledger schema {schema!r} is not one this gpuckpt reads ({', '.join(sorted(FORMATS))})")
+    module: ModuleType = importlib.import_module(name)
+    return cast(LedgerFormat, module)
+
+
+def request_count(ledger: Ledger | None) -> int:
+    """Requests in a checkpoint's ledger (0 without one)."""
+    return 0 if ledger is None else format_of(ledger).count(ledger)

