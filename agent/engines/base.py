@@ -41,12 +41,12 @@ from ckpt import Block, Existing, Ledger, Manifest, Namespace, WorkerFacts
 from ckpt.errors import EngineMismatch
 
 if TYPE_CHECKING:
+    from agent.engines import serving
     from agent.engines.driver import Decision
 
 __all__ = [
     "Capture",
     "Checkpointed",
-    "Completion",
     "Engine",
     "RestorePlan",
     "Resubmission",
@@ -151,14 +151,6 @@ class Checkpointed:
     stats: dict[str, Any]
 
 
-class Completion(Protocol):
-    """One finished (re)submission as a serving client reports it."""
-
-    token_ids: list[int]
-    finish_reason: str | None
-    cached_tokens: int | None
-
-
 class ServingClient(Protocol):
     """The worker's request API as the agent uses it: the canary probe and resubmission."""
 
@@ -168,7 +160,7 @@ class ServingClient(Protocol):
         """Greedy: ``n`` new tokens after ``prompt_ids`` (the canary probe)."""
         ...
 
-    def submit(self, requests: Iterable[Resubmission]) -> Mapping[str, Completion]:
+    def submit(self, requests: Iterable[Resubmission]) -> Mapping[str, serving.Completion]:
         """Each request under its original id, to completion; outputs by request id."""
         ...
 

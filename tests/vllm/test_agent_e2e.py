@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from agent.engines import driver, staging
+from agent.engines.sglang.serve import SglangProcess
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
 from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port, serve_worker
@@ -37,16 +38,18 @@ def write_config(
     path: Path,
     *,
     url: str,
-    worker: ServeProcess,
+    worker: ServeProcess | SglangProcess,
     api: Path,
     restore: bool,
     interval: str = "3s",
     offer_ttl: str = "10m",
+    engine: str = "vllm",
 ) -> None:
     path.write_text(
         f"""
 worker_id = "w0"
 repository = "{url}"
+engine = "{engine}"
 connector_socket = "{worker.control_socket}"
 worker_url = "{worker.url}"
 log_format = "json"

@@ -5,7 +5,6 @@ agent runs without SGLang installed."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import ClassVar
 
@@ -39,20 +38,12 @@ class SglangEngine(Engine):
         cls, command: list[str], *, control_socket: str, staging_dir: str | None, shared_group: str | None
     ) -> list[str]:
         """``python -m sglang.launch_server ARGS`` (or ``sglang serve ARGS``) with gpuckpt's linker."""
-        from agent.engines.sglang.serve import linker_config
+        from agent.engines.sglang.serve import linker_args
 
         argv = _launch_argv(command)
         if any(a == f or a.startswith(f + "=") for a in argv for f in _LINKER_FLAGS):
             raise ValueError("the command already configures an external cache linker; launch sets it")
-        config = linker_config(control_socket, staging_dir=staging_dir, shared_group=shared_group)
-        return [
-            *argv,
-            "--enable-unified-cache-external-linker",
-            "--unified-cache-external-linker-backend",
-            "dynamic",
-            "--unified-cache-external-linker-config",
-            json.dumps(config),
-        ]
+        return [*argv, *linker_args(control_socket, staging_dir, shared_group)]
 
 
 def _launch_argv(cmd: list[str]) -> list[str]:

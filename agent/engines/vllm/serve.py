@@ -37,12 +37,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from agent.engines.base import Resubmission
+from agent.engines.serving import Completion, ServeError, check_response
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
 
 CONNECTOR = "GpuckptConnector"
@@ -52,10 +52,6 @@ CONNECTOR = "GpuckptConnector"
 _BODY_FIELDS = (*(f for f in SAMPLING_FIELDS if f != "n"), "structured_outputs")
 
 _CMPL_ID = re.compile(r"^cmpl-(?P<base>.+)-(?P<choice>\d+)$")
-
-
-class ServeError(RuntimeError):
-    """The worker's API refused or failed a request; the message carries its answer."""
 
 
 def kv_transfer_config(control_socket: str, staging_dir: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -119,19 +115,6 @@ def header_request_id(client_request_id: str) -> str:
     return m.group("base") if m and m.group("choice") == "0" else client_request_id
 
 
-@dataclass
-class Completion:
-    """One finished completion: token ids, timings and the server's accounting."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    first_token_s: float | None = None  # from sending to the first token
-    total_s: float = 0.0
-
-
 class ServeClient:
     """Client for a ``vllm serve`` worker's OpenAI-compatible completions API.
 
@@ -185,7 +168,7 @@ class ServeClient:
     def model(self) -> str:
         if self._model is None:
             r = self._http.get("/v1/models")
-            _check(r)
+            check_response(r)
             self._model = str(r.json()["data"][0]["id"])
         return self._model
 
@@ -225,14 +208,14 @@ class ServeClient:
             body.pop("stream_options")
             body["stream"] = False
             r = self._http.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
-            _check(r)
+            check_response(r)
             self._take(out, r.json(), t0, on_tokens)
             out.first_token_s = None  # not observable without streaming
         else:
             with self._http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
                 if r.status_code != 200:
                     r.read()
-                    _check(r)
+                    check_response(r)
                 for line in r.iter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -291,16 +274,6 @@ class ServeClient:
                 for r in reqs
             }
             return {rid: f.result() for rid, f in futs.items()}
-
-
-def _check(r: httpx.Response) -> None:
-    if r.status_code == 200:
-        return
-    try:
-        msg = r.json().get("message") or r.json().get("error", {}).get("message") or r.text
-    except (ValueError, AttributeError):
-        msg = r.text
-    raise ServeError(f"{r.request.method} {r.request.url.path}: HTTP {r.status_code}: {str(msg)[:300]}")
 
 
 class ServeProcess:

@@ -1,0 +1,38 @@
+"""What the engines' HTTP clients share (no engine import): a finished completion as the agent
+sees it, and the error a worker's API answers with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+
+__all__ = ["Completion", "ServeError", "check_response"]
+
+
+class ServeError(RuntimeError):
+    """The worker's API refused or failed a request; the message carries its answer."""
+
+
+@dataclass
+class Completion:
+    """One finished completion: token ids, timings and the server's accounting."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    first_token_s: float | None = None  # from sending to the first token
+    total_s: float = 0.0
+
+
+def check_response(r: httpx.Response) -> None:
+    """Nothing for a 200; else :class:`ServeError` with the server's own message."""
+    if r.status_code == 200:
+        return
+    try:
+        msg = r.json().get("message") or r.json().get("error", {}).get("message") or r.text
+    except (ValueError, AttributeError):
+        msg = r.text
+    raise ServeError(f"{r.request.method} {r.request.url.path}: HTTP {r.status_code}: {str(msg)[:300]}")

@@ -1,0 +1,273 @@
+"""An SGLang server as a gpuckpt worker: the command that starts it with the linker, a client for
+its native ``/generate`` API (the canary and the resubmissions), and the server process.
+
+No SGLang import: this runs on the agent's side. Requests go in and come out as token ids
+(``input_ids``, ``output_ids``), so a server started with ``--skip-tokenizer-init`` works and no
+text round trip can shift a token. A resubmitted request keeps its original ``rid``.
+``meta_info.cached_tokens`` says how much of a resubmitted prompt came from the (restored) cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from agent.engines.base import Resubmission
+from agent.engines.serving import Completion, ServeError, check_response
+from agent.engines.sglang.ledger import SAMPLING_FIELDS
+
+__all__ = [
+    "Completion",
+    "ServeError",
+    "SglangClient",
+    "SglangProcess",
+    "linker_args",
+    "linker_config",
+    "serve_command",
+]
+
+LINKER = "GpuckptLinker"
+LINKER_MODULE = "agent.engines.sglang.linker"
+
+
+def linker_config(
+    control_socket: str, staging_dir: str | None = None, shared_group: str | None = None
+) -> dict[str, Any]:
+    """The ``--unified-cache-external-linker-config`` that loads gpuckpt's linker."""
+    return {
+        "linker": LINKER,
+        "linker_module_path": LINKER_MODULE,
+        "linker_extra_config": {
+            "control_socket": control_socket,
+            "staging_dir": staging_dir,
+            "shared_group": shared_group,
+        },
+    }
+
+
+def linker_args(control_socket: str, staging_dir: str | None = None, shared_group: str | None = None) -> list[str]:
+    """The SGLang flags that load gpuckpt's linker (appended to a server's command)."""
+    return [
+        "--enable-unified-cache-external-linker",
+        "--unified-cache-external-linker-backend",
+        "dynamic",
+        "--unified-cache-external-linker-config",
+        json.dumps(linker_config(control_socket, staging_dir, shared_group)),
+    ]
+
+
+def serve_command(
+    model: str,
+    *,
+    port: int,
+    control_socket: str,
+    host: str = "127.0.0.1",
+    staging_dir: str | None = None,
+    shared_group: str | None = None,
+    python: str = sys.executable,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """argv of ``python -m sglang.launch_server`` with the linker on ``control_socket``;
+    ``extra_args`` go last (device, backend, page size, memory…)."""
+    return [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *linker_args(control_socket, staging_dir, shared_group),
+        *extra_args,
+    ]
+
+
+class SglangClient:
+    """Client for an SGLang server's ``/generate`` (thread-safe; :meth:`submit` runs concurrently so
+    the resubmissions batch in the server as they did before the checkpoint)."""
+
+    def __init__(self, base_url: str, *, timeout: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> SglangClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 300.0, alive: Callable[[], bool] | None = None) -> float:
+        """Poll ``/health`` until it answers 200 (``alive()`` false ends the wait); seconds waited."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                if self._http.get("/health", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.TransportError:
+                pass
+            if alive is not None and not alive():
+                raise ServeError("the server exited before its API became ready")
+            if time.monotonic() - t0 > timeout:
+                raise ServeError(f"the server's API was not ready after {timeout:.0f} s")
+            time.sleep(0.25)
+
+    def complete(
+        self,
+        input_ids: Sequence[int],
+        sampling: dict[str, Any],
+        *,
+        rid: str | None = None,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+    ) -> Completion:
+        """One ``/generate`` of ``input_ids``: the new tokens, finish reason and cached tokens."""
+        params = {k: sampling[k] for k in SAMPLING_FIELDS if sampling.get(k) is not None}
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
+        for name, value in (("rid", rid), ("extra_key", extra_key), ("cache_salt", cache_salt)):
+            if value is not None:
+                body[name] = value
+        if priority:
+            body["priority"] = priority
+        t0 = time.monotonic()
+        r = self._http.post("/generate", json=body)
+        check_response(r)
+        d = r.json()
+        d = d[0] if isinstance(d, list) else d
+        meta = d.get("meta_info") or {}
+        fin = meta.get("finish_reason")
+        out = Completion(
+            str(rid or meta.get("id") or ""),
+            token_ids=[int(t) for t in d.get("output_ids") or []],
+            finish_reason=(fin.get("type") if isinstance(fin, dict) else fin),
+            prompt_tokens=int(meta.get("prompt_tokens") or len(input_ids)),
+            cached_tokens=None if meta.get("cached_tokens") is None else int(meta["cached_tokens"]),
+        )
+        out.total_s = time.monotonic() - t0
+        return out
+
+    def generate(self, prompt_ids: list[int], n: int) -> list[int]:
+        """Greedy continuation of ``n`` tokens, EOS ignored: the canary's ``generate``."""
+        return self.complete(prompt_ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}).token_ids
+
+    def submit(self, requests: Iterable[Resubmission], *, max_concurrency: int = 64) -> dict[str, Completion]:
+        """Resubmit a restored ledger under the original rids; each completion holds the new tokens
+        only (a request's whole output is ``r.output_token_ids + result[r.request_id].token_ids``)."""
+        reqs = list(requests)
+        if not reqs:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:
+            futs = {
+                r.request_id: pool.submit(
+                    self.complete,
+                    r.token_ids,
+                    r.sampling,
+                    rid=r.request_id,
+                    extra_key=r.sampling.get("extra_key"),
+                    cache_salt=r.cache_salt,
+                    priority=r.priority,
+                )
+                for r in reqs
+            }
+            return {rid: f.result() for rid, f in futs.items()}
+
+
+class SglangProcess:
+    """An SGLang server with the linker, in its own process group (``kill`` is SIGKILL to the
+    group: SGLang's scheduler and detokenizer are child processes)."""
+
+    def __init__(
+        self,
+        model: str,
+        control_socket: str,
+        *,
+        port: int,
+        log_path: str,
+        python: str = sys.executable,
+        staging_dir: str | None = None,
+        extra_args: Sequence[str] = (),
+        pythonpath: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        """``pythonpath``: directories put in front of the server's ``PYTHONPATH``; ``env`` is added
+        to this process's environment, with ``SGLANG_USE_CPU_ENGINE=1`` unless it says otherwise."""
+        self.control_socket = control_socket
+        self.url = f"http://{host}:{port}"
+        self.log_path = log_path
+        cmd = serve_command(
+            model,
+            port=port,
+            control_socket=control_socket,
+            host=host,
+            staging_dir=staging_dir,
+            python=python,
+            extra_args=extra_args,
+        )
+        full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
+        paths = [*pythonpath, *([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])]
+        if paths:
+            full_env["PYTHONPATH"] = os.pathsep.join(paths)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        finally:
+            os.close(fd)
+        self.client = SglangClient(self.url)
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Wait for the API and the control socket; seconds since start."""
+        try:
+            self.client.wait_ready(timeout, alive=lambda: self.proc.poll() is None)
+            while not os.path.exists(self.control_socket):
+                if time.monotonic() - self.started > timeout:
+                    raise ServeError(f"no control socket at {self.control_socket}")
+                time.sleep(0.1)
+        except ServeError as exc:
+            raise ServeError(f"{exc}; last lines of {self.log_path}:\n{self.log_tail()}") from None
+        return time.monotonic() - self.started
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - n))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group, as a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.client.close()
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the server, then SIGKILL the group."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace)
+        self.kill()
+
+    def __enter__(self) -> SglangProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
