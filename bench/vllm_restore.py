@@ -24,9 +24,8 @@ With ``--engines vllm,sglang`` (the default) the same models and prompts go
 through an SGLang 0.5.23 server (CPU build, gpuckpt's cache linker) as
 well: recompute, resident and restored (a fresh server after a restore of a
 checkpoint of the resident one; SGLang has no ExampleConnector peer), timed
-as the whole ``/generate`` of one new token (SGLang's native API does not
-stream token ids), and printed as restored ÷ recompute and ÷ resident with
-the bytes stored per token.
+to the first streamed token of its native ``/generate``, and printed as
+restored ÷ recompute and ÷ resident with the bytes stored per token.
 
 Ratios (restored ÷ resident, restored ÷ example) come from the same run;
 the host is noisy, absolute times are not the point.

@@ -134,8 +134,14 @@ class SglangClient:
         extra_key: str | None = None,
         cache_salt: str | None = None,
         priority: int | None = None,
+        stream: bool = False,
     ) -> Completion:
-        """One ``/generate`` of ``input_ids``: the new tokens, finish reason and cached tokens."""
+        """One ``/generate`` of ``input_ids``: the new tokens, finish reason and cached tokens.
+
+        ``stream`` asks for server-sent events, to time the first token (``first_token_s``);
+        each event's ``output_ids`` are the outputs so far, or only the new ones where the
+        server streams incrementally (told apart by ``meta_info.completion_tokens``).
+        """
         params = {k: sampling[k] for k in SAMPLING_FIELDS if sampling.get(k) is not None}
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
         for name, value in (("rid", rid), ("extra_key", extra_key), ("cache_salt", cache_salt)):
@@ -144,10 +150,30 @@ class SglangClient:
         if priority:
             body["priority"] = priority
         t0 = time.monotonic()
-        r = self._http.post("/generate", json=body)
-        check_response(r)
-        d = r.json()
-        d = d[0] if isinstance(d, list) else d
+        first: float | None = None
+        if stream:
+            body["stream"] = True
+            ids: list[int] = []
+            d: dict[str, Any] = {}
+            with self._http.stream("POST", "/generate", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    check_response(r)
+                for line in r.iter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    d = json.loads(line[5:])
+                    new = [int(t) for t in d.get("output_ids") or []]
+                    done = int((d.get("meta_info") or {}).get("completion_tokens") or 0)
+                    ids = new if len(new) == done else ids + new
+                    if ids and first is None:
+                        first = time.monotonic() - t0
+            d["output_ids"] = ids
+        else:
+            r = self._http.post("/generate", json=body)
+            check_response(r)
+            got = r.json()
+            d = got[0] if isinstance(got, list) else got
         meta = d.get("meta_info") or {}
         fin = meta.get("finish_reason")
         out = Completion(
@@ -156,6 +182,7 @@ class SglangClient:
             finish_reason=(fin.get("type") if isinstance(fin, dict) else fin),
             prompt_tokens=int(meta.get("prompt_tokens") or len(input_ids)),
             cached_tokens=None if meta.get("cached_tokens") is None else int(meta["cached_tokens"]),
+            first_token_s=first,
         )
         out.total_s = time.monotonic() - t0
         return out
@@ -164,7 +191,9 @@ class SglangClient:
         """Greedy continuation of ``n`` tokens, EOS ignored: the canary's ``generate``."""
         return self.complete(prompt_ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}).token_ids
 
-    def submit(self, requests: Iterable[Resubmission], *, max_concurrency: int = 64) -> dict[str, Completion]:
+    def submit(
+        self, requests: Iterable[Resubmission], *, max_concurrency: int = 64, stream: bool = False
+    ) -> dict[str, Completion]:
         """Resubmit a restored ledger under the original rids; each completion holds the new tokens
         only (a request's whole output is ``r.output_token_ids + result[r.request_id].token_ids``)."""
         reqs = list(requests)
@@ -180,6 +209,7 @@ class SglangClient:
                     extra_key=r.sampling.get("extra_key"),
                     cache_salt=r.cache_salt,
                     priority=r.priority,
+                    stream=stream,
                 )
                 for r in reqs
             }
