@@ -42,32 +42,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_common import free_port, make_model
 
 from agent.engines import canary, driver
-from agent.engines.sglang.serve import Completion, SglangProcess
+from agent.engines.sglang.serve import CPU_ARGS, Completion, SglangProcess
 from ckpt import Repository, host_facts
 
 ROOT = Path(__file__).resolve().parents[1]
+#: test-only stand-ins a CPU host needs (README: SGLang on a CPU)
+STANDIN = ROOT / "tests" / "sglang" / "standin"
 console = Console(width=max(shutil.get_terminal_size((120, 24)).columns, 120))
 VOCAB = 2048
 SYSTEM_TOKENS = 256
 TURN2_TOKENS = 400  # the second turns' budget: long enough to be cut mid-decode
 PAGE_SIZE = 16
-STANDIN = ROOT / "tests" / "sglang" / "standin"
-SERVER_ARGS = [
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--disable-cuda-graph",
-    "--skip-tokenizer-init",
-    "--dtype",
-    "float32",
-    "--mem-fraction-static",
-    "0.05",
-    "--max-total-tokens",
-    "16384",
-    "--page-size",
-    str(PAGE_SIZE),
-]
+#: a CPU server's flags, with room for the demo's conversations
+SERVER_ARGS = [*CPU_ARGS, "--page-size", str(PAGE_SIZE)]
+SERVER_ARGS[SERVER_ARGS.index("--max-total-tokens") + 1] = "16384"
 
 
 def sglang_python() -> str:

@@ -17,25 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.sglang.serve import SglangProcess
+from agent.engines.sglang.serve import CPU_ARGS, SglangProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().parent / "standin"
 #: The flags every test server shares (the reference runs use the same).
-BASE_ARGS = (
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--disable-cuda-graph",
-    "--skip-tokenizer-init",
-    "--dtype",
-    "float32",
-    "--mem-fraction-static",
-    "0.05",
-    "--max-total-tokens",
-    "8192",
-)
+BASE_ARGS = CPU_ARGS
 
 
 def _sglang_python() -> str:

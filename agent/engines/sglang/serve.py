@@ -9,11 +9,8 @@ text round trip can shift a token. A resubmitted request keeps its original ``ri
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -23,10 +20,11 @@ from typing import Any
 import httpx
 
 from agent.engines.base import Resubmission
-from agent.engines.serving import Completion, ServeError, check_response
+from agent.engines.serving import Completion, ServeError, WorkerProcess, check_response
 from agent.engines.sglang.ledger import SAMPLING_FIELDS
 
 __all__ = [
+    "CPU_ARGS",
     "Completion",
     "ServeError",
     "SglangClient",
@@ -36,6 +34,22 @@ __all__ = [
     "serve_command",
 ]
 
+#: The flags an SGLang 0.5.23 server needs to run on a CPU (its CPU path also needs
+#: ``SGLANG_USE_CPU_ENGINE=1`` in the environment): the tests', the demo's and the benchmark's.
+CPU_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-tokenizer-init",
+    "--dtype",
+    "float32",
+    "--mem-fraction-static",
+    "0.05",
+    "--max-total-tokens",
+    "8192",
+)
 LINKER = "GpuckptLinker"
 LINKER_MODULE = "agent.engines.sglang.linker"
 
@@ -216,7 +230,7 @@ class SglangClient:
             return {rid: f.result() for rid, f in futs.items()}
 
 
-class SglangProcess:
+class SglangProcess(WorkerProcess):
     """An SGLang server with the linker, in its own process group (``kill`` is SIGKILL to the
     group: SGLang's scheduler and detokenizer are child processes)."""
 
@@ -236,9 +250,6 @@ class SglangProcess:
     ) -> None:
         """``pythonpath``: directories put in front of the server's ``PYTHONPATH``; ``env`` is added
         to this process's environment, with ``SGLANG_USE_CPU_ENGINE=1`` unless it says otherwise."""
-        self.control_socket = control_socket
-        self.url = f"http://{host}:{port}"
-        self.log_path = log_path
         cmd = serve_command(
             model,
             port=port,
@@ -252,52 +263,10 @@ class SglangProcess:
         paths = [*pythonpath, *([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])]
         if paths:
             full_env["PYTHONPATH"] = os.pathsep.join(paths)
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-        finally:
-            os.close(fd)
-        self.client = SglangClient(self.url)
-        self.started = time.monotonic()
-
-    def wait_ready(self, timeout: float = 300.0) -> float:
-        """Wait for the API and the control socket; seconds since start."""
-        try:
-            self.client.wait_ready(timeout, alive=lambda: self.proc.poll() is None)
-            while not os.path.exists(self.control_socket):
-                if time.monotonic() - self.started > timeout:
-                    raise ServeError(f"no control socket at {self.control_socket}")
-                time.sleep(0.1)
-        except ServeError as exc:
-            raise ServeError(f"{exc}; last lines of {self.log_path}:\n{self.log_tail()}") from None
-        return time.monotonic() - self.started
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - n))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL the server's whole process group, as a crash would."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.client.close()
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the server, then SIGKILL the group."""
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(grace)
-        self.kill()
+        url = f"http://{host}:{port}"
+        super().__init__(
+            cmd, url=url, control_socket=control_socket, log_path=log_path, client=SglangClient(url), env=full_env
+        )
 
     def __enter__(self) -> SglangProcess:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from agent.engines.base import Resubmission
-from agent.engines.serving import Completion, ServeError, check_response
+from agent.engines.serving import Completion, ServeError, WorkerProcess, check_response
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
 
 CONNECTOR = "GpuckptConnector"
@@ -276,7 +276,7 @@ class ServeClient:
             return {rid: f.result() for rid, f in futs.items()}
 
 
-class ServeProcess:
+class ServeProcess(WorkerProcess):
     """A ``vllm serve`` worker with the connector, run in its own process group.
 
     ``stop()`` (and leaving the ``with`` block) kills the whole group: vLLM's
@@ -303,79 +303,22 @@ class ServeProcess:
         """``prefix``: argv run before the worker's (e.g. ``setpriv`` to run it as its own account);
         ``inherit_env=False``: the worker gets ``env`` alone, nothing of this process's environment."""
         import os
-        import subprocess
 
-        self.control_socket = control_socket
         self.staging_dir = staging_dir
-        self.url = f"http://{host}:{port}"
-        self.log_path = log_path
         cmd = serve_command(
             model, control_socket, host=host, port=port, staging_dir=staging_dir, args=args, kv_config=kv_config
         )
-        self._needs_socket = kv_config is None or bool(
-            (kv_config.get("kv_connector_extra_config") or {}).get("control_socket")
+        url = f"http://{host}:{port}"
+        super().__init__(
+            [*prefix, *cmd],
+            url=url,
+            control_socket=control_socket,
+            log_path=log_path,
+            client=ServeClient(url),
+            env={**(os.environ if inherit_env else {}), **(env or {})},
+            needs_socket=kv_config is None
+            or bool((kv_config.get("kv_connector_extra_config") or {}).get("control_socket")),
         )
-        # The log is the worker's stdout/stderr; it names no secret (the API key, if any, is in env).
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            self.proc = subprocess.Popen(
-                [*prefix, *cmd],
-                stdout=fd,
-                stderr=subprocess.STDOUT,
-                env={**(os.environ if inherit_env else {}), **(env or {})},
-                start_new_session=True,
-            )
-        finally:
-            os.close(fd)
-        self.client = ServeClient(self.url)
-        self.started = time.monotonic()
-
-    def wait_ready(self, timeout: float = 300.0) -> float:
-        """Wait for the API and the control socket; returns seconds since start."""
-        import os
-
-        try:
-            self.client.wait_ready(timeout, alive=lambda: self.proc.poll() is None)
-            while self._needs_socket and not os.path.exists(self.control_socket):
-                if time.monotonic() - self.started > timeout:
-                    raise ServeError(f"no control socket at {self.control_socket}")
-                time.sleep(0.1)
-        except ServeError as exc:
-            raise ServeError(f"{exc}; last lines of {self.log_path}:\n{self.log_tail()}") from None
-        return time.monotonic() - self.started
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - n))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        import contextlib
-        import os
-        import signal
-
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.client.close()
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the server (a graceful vLLM shutdown), then SIGKILL the group."""
-        import contextlib
-        import subprocess
-
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(grace)
-        self.kill()
 
     def __enter__(self) -> ServeProcess:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()
