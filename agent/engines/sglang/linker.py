@@ -100,6 +100,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str, storage_namespace_s
 
 from agent import fs
 from agent.engines import control, staging
+from agent.engines.offers import OfferBook
 from agent.engines.sglang import ledger as ledger_mod
 from agent.fs import Trust
 
@@ -264,13 +265,9 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         self._seq = 0
         self._stream: dict[str, Any] | None = None  # the capture not yet acknowledged: seq, index, touched
         self._last_stream: dict[str, Any] = {}
-        self._durable: set[bytes] = set()
-        self._offer: dict[bytes, str] = {}  # key → page file index path
-        self._offer_files: set[str] = set()
+        self._offers = OfferBook(self._expire_offer)  # the restore offer and the durable keys
         self._files: dict[str, staging.PageFile] = {}  # open mappings of offered files
         self._retired: list[str] = []  # ended offers' files: closed and deleted at the next boundary
-        self._offer_generation = 0
-        self._offer_expiry: threading.Timer | None = None
         self._pending: dict[str, tuple[torch.Tensor, list[tuple[str, bytes]]]] = {}
         self._restored: dict[str, int] = {}  # rid → tokens loaded from offered pages
         self._lookups = 0
@@ -437,8 +434,8 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
                     pages.setdefault(tk, (page, rest))
                     tails += 1
         prefix = self._prefix_pages(pages)
-        skipped = [] if w.full else [k for k in pages if k in self._durable]
-        copy = [(k, v) for k, v in pages.items() if w.full or k not in self._durable]
+        skipped = [] if w.full else [k for k in pages if k in self._offers.durable]
+        copy = [(k, v) for k, v in pages.items() if w.full or k not in self._offers.durable]
         plan_s = time.monotonic() - t0
         with self._lock:
             if self._stream is not None:
@@ -565,10 +562,10 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         """The prefix lengths (pages) whose every page key is offered: ``[1, …, n]``."""
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
-        if kv is None or not kv.keys or not self._offer:
+        if kv is None or not kv.keys or not self._offers.keys:
             return []
         self._lookups += 1
-        offer = self._offer  # replaced, never mutated: a consistent snapshot
+        offer = self._offers.keys  # replaced, never mutated: a consistent snapshot
         n = 0
         for kh in kv.keys:
             if bytes.fromhex(kh) not in offer:
@@ -585,7 +582,7 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is None or kv.device_indices is None or not kv.keys:
             return False
-        offer = self._offer
+        offer = self._offers.keys
         plan: list[tuple[str, bytes]] = []
         for kh in kv.keys:
             kb = bytes.fromhex(kh)
@@ -791,13 +788,11 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         ttl = req.get("ttl")
         with self._lock:
             gen = req.get("generation")
-            if gen is not None and int(gen) != self._offer_generation:
+            if not self._offers.admit(gen):
                 if pf is not None:
                     pf.close()
                     staging.unlink_pair(str(index))
                 return {"ok": False, "error": f"the offer of generation {gen} has ended", "ended": True}
-            if gen is None:
-                self._offer_generation += 1
             keys: list[bytes] = []
             if pf is not None:
                 path = str(index)
@@ -805,57 +800,35 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
                 if old is not None:
                     old.close()
                 self._files[path] = pf
-                self._offer_files.add(path)
                 keys = list(pf.index.keys)
-                offer = dict(self._offer)
-                for k in keys:
-                    offer[k] = path
-                self._offer = offer
-                self._durable.update(keys)  # read from the repository: it holds them
+                self._offers.add(path, keys)
             if ttl is not None:
-                if self._offer_expiry is not None:
-                    self._offer_expiry.cancel()
-                self._offer_expiry = threading.Timer(float(ttl), self._expire_offer)
-                self._offer_expiry.daemon = True
-                self._offer_expiry.start()
-            generation = self._offer_generation
+                self._offers.expire_after(float(ttl))
+            generation = self._offers.generation
         states = req.get("requests") or {}
         return {"ok": True, "offered": len(keys), "requests": len(states), "rejected": {}, "generation": generation}
 
     def _end_offer(self) -> None:
         """Withdraw every offered page (lock held); the files go at the next boundary."""
-        self._offer_generation += 1
-        self._offer = {}
-        self._retired.extend(sorted(self._offer_files))
-        self._offer_files = set()
-        if self._offer_expiry is not None:
-            self._offer_expiry.cancel()
-            self._offer_expiry = None
+        self._retired.extend(self._offers.end())
 
     def _expire_offer(self) -> None:
         with self._lock:
-            self._offer_expiry = None
-            if self._offer or self._offer_files:
-                log.info("gpuckpt: the restore offer expired (%d pages)", len(self._offer))
-                self._end_offer()
+            n = len(self._offers.keys)
+            files = self._offers.expired()
+            if files is not None:
+                log.info("gpuckpt: the restore offer expired (%d pages)", n)
+                self._retired.extend(files)
 
     def _cmd_withdraw(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            files = len(self._offer_files)
+            files = len(self._offers.files)
             self._end_offer()
         return {"ok": True, "files": files}
 
     def _cmd_durable(self, req: dict[str, Any]) -> dict[str, Any]:
-        try:
-            add = [bytes.fromhex(k) for k in req.get("add") or []]
-            remove = [bytes.fromhex(k) for k in req.get("remove") or []]
-        except (TypeError, ValueError):
-            return {"ok": False, "error": "durable: keys must be hex strings"}
         with self._lock:
-            self._durable.update(add)
-            self._durable.difference_update(remove)
-            n = len(self._durable)
-        return {"ok": True, "durable": n}
+            return self._offers.mark(req)
 
     def _cmd_keys(self, req: dict[str, Any]) -> dict[str, Any]:
         """``{"requests": [{"token_ids", "kv_tokens", "extra_key", "cache_salt"}]}`` → each request's
@@ -879,10 +852,10 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
                 "restored_tokens": dict(self._restored),
                 "step": self._step,
                 "lookups": self._lookups,
-                "offered": len(self._offer),
-                "offer_files": sorted(self._offer_files),
+                "offered": len(self._offers.keys),
+                "offer_files": sorted(self._offers.files),
                 "files_to_delete": len(self._retired),
-                "durable": len(self._durable),
+                "durable": len(self._offers.durable),
                 "tracked_requests": len(self._seen),
                 "captures_pending": sum(1 for w in self._waiters if w.kind == "capture"),
                 "waits_pending": sum(1 for w in self._waiters if w.kind == "wait"),

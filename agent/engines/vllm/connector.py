@@ -139,6 +139,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent import fs
 from agent.engines import control, staging
+from agent.engines.offers import OfferBook
 from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import (
     DEFAULT_COPY_PER_STEP,
@@ -364,17 +365,11 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._stream: Stream | None = None
         self._cond = threading.Condition(self._lock)
         self._last_stream: dict[str, Any] = {}
-        self._offer: dict[bytes, str] = {}  # key → page file index path
-        # An offered page file belongs to the connector from the offer on: it is deleted when the offer
-        # ends (withdraw, or ``ttl`` after the offer), and the workers close their mappings of it.
-        self._offer_files: set[str] = set()
-        self._offer_expiry: threading.Timer | None = None
-        self._offer_generation = 0  # one per restore offer; ends with it
+        # The restore offer (key → page file; an offered file is the connector's, deleted when the
+        # offer ends, once the workers closed their mappings of it) and the durable keys, which an
+        # incremental capture does not copy (pruned to the keys still cached at each capture).
+        self._offers = OfferBook(self._expire_offer)
         self._retired: list[str] = []  # ended offers' files: deleted at the next step boundary
-        # Keys the repository holds (the agent acknowledges a checkpoint's keys once it commits; a
-        # restore's offered keys came from it): an incremental capture does not copy them. Pruned
-        # to the keys still cached at each capture.
-        self._durable: set[bytes] = set()
         self._plans: dict[str, tuple[int, list[bytes]]] = {}
         self._loads: list[tuple[int, str, str]] = []
         self._fail_loads: list[int] = []
@@ -504,7 +499,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 if len(self._held) < self._hold and time.monotonic() < self._hold_until:
                     return None, False
                 self._hold, self._held = 0, set()
-            offer = self._offer
+            offer = self._offers.keys
             if not offer:
                 return 0, False
             bs = self._block_size
@@ -560,7 +555,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             last = (start + num_external_tokens - 1) // bs
             for b in range(first, last + 1):
                 key = keys[b - first]
-                self._loads.append((ids[b], self._offer[key], key.hex()))
+                self._loads.append((ids[b], self._offers.keys[key], key.hex()))
             rid = client_id(request.request_id)
             self._restored[rid] = self._restored.get(rid, 0) + num_external_tokens
 
@@ -751,21 +746,17 @@ class GpuckptConnector(KVConnectorBase_V1):
 
     def _end_offer(self) -> None:
         """Withdraw every offered block and state (lock held); their page files go at the next step."""
-        self._offer_generation += 1  # later parts of a streaming restore are refused
-        self._offer = {}
         self._state_offer = {}
-        self._retired.extend(sorted(self._offer_files))
-        self._offer_files = set()
-        if self._offer_expiry is not None:
-            self._offer_expiry.cancel()
-            self._offer_expiry = None
+        self._retired.extend(self._offers.end())
 
     def _expire_offer(self) -> None:
         with self._lock:
-            self._offer_expiry = None
-            if self._offer or self._offer_files:
-                log.info("gpuckpt: the restore offer expired (%d blocks)", len(self._offer))
-                self._end_offer()
+            n = len(self._offers.keys)
+            files = self._offers.expired()
+            if files is not None:
+                log.info("gpuckpt: the restore offer expired (%d blocks)", n)
+                self._state_offer = {}
+                self._retired.extend(files)
         self._wake()  # an idle engine must step for the files to go
 
     def _met(self, when: dict[str, int] | None) -> bool:
@@ -854,8 +845,8 @@ class GpuckptConnector(KVConnectorBase_V1):
         # finished requests' stored tails do not change either: they stream like the cached blocks
         tails = [] if prefix_only else [k for k in self._tail_keys if k not in cached and k not in mutable]
         # Incremental: what the repository holds is referenced by the save, not copied.
-        self._durable &= set(cached) | set(mutable) | set(self._tail_keys)
-        skip = set() if any(w.full for w in waiters) else self._durable
+        self._offers.durable &= set(cached) | set(mutable) | set(self._tail_keys)
+        skip = set() if any(w.full for w in waiters) else self._offers.durable
         skipped = [] if prefix_only else [k.hex() for k in (*cached, *mutable) if k in skip]
         skipped += [t.hex() for t in tails if t in skip]
         mutable = {k: b for k, b in mutable.items() if k not in skip}
@@ -1100,35 +1091,23 @@ class GpuckptConnector(KVConnectorBase_V1):
         ttl = req.get("ttl")
         with self._lock:
             gen = req.get("generation")
-            if gen is not None and int(gen) != self._offer_generation:
+            if not self._offers.admit(gen):
                 # a streaming restore's later part, after its offer ended (withdrawn, expired)
                 if req.get("index"):
                     staging.unlink_pair(req["index"])
                 return {"ok": False, "error": f"the offer of generation {gen} has ended", "ended": True}
-            if gen is None:
-                self._offer_generation += 1  # a new restore's first offer
             if req.get("index"):
-                self._offer_files.add(str(req["index"]))
-            if keys:
-                offer = dict(self._offer)
-                for k in keys:
-                    offer[k] = str(req["index"])
-                self._offer = offer
-                self._durable.update(keys)  # read from the repository: it holds them
+                self._offers.add(str(req["index"]), keys)
             self._state_offer.update(states)
             if ttl is not None:
-                # the offer ends (and its files go) ttl seconds from now, idle engine or not
-                if self._offer_expiry is not None:
-                    self._offer_expiry.cancel()
-                self._offer_expiry = threading.Timer(float(ttl), self._expire_offer)
-                self._offer_expiry.daemon = True
-                self._offer_expiry.start()
+                self._offers.expire_after(float(ttl))
+            generation = self._offers.generation
         return {
             "ok": True,
             "offered": len(keys),
             "requests": len(states),
             "rejected": rejected,
-            "generation": self._offer_generation,
+            "generation": generation,
         }
 
     def _cmd_keys(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -1148,24 +1127,15 @@ class GpuckptConnector(KVConnectorBase_V1):
     def _cmd_withdraw(self, req: dict[str, Any]) -> dict[str, Any]:
         """``{}``: end the restore offer (its files go at the next step boundary)."""
         with self._lock:
-            files = len(self._offer_files)
+            files = len(self._offers.files)
             self._end_offer()
         self._wake()
         return {"ok": True, "files": files}
 
     def _cmd_durable(self, req: dict[str, Any]) -> dict[str, Any]:
         """``{"add", "remove"}``: keys the repository holds (incremental capture)."""
-        # {"add": [key hex], "remove": [key hex]}: the agent's word on what the repository holds
-        try:
-            add = [bytes.fromhex(k) for k in req.get("add") or []]
-            remove = [bytes.fromhex(k) for k in req.get("remove") or []]
-        except (TypeError, ValueError):
-            return {"ok": False, "error": "durable: keys must be hex strings"}
         with self._lock:
-            self._durable.update(add)
-            self._durable.difference_update(remove)
-            n = len(self._durable)
-        return {"ok": True, "durable": n}
+            return self._offers.mark(req)
 
     def _cmd_next(self, req: dict[str, Any]) -> dict[str, Any]:
         """``{"seq", "ack", "timeout"}`` → the next chunk of a capture, or ``done``."""
@@ -1197,7 +1167,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 "restored_tokens": dict(self._restored),
                 "step": self._step,
                 "live": len(self._live),
-                "offered": len(self._offer),
+                "offered": len(self._offers.keys),
                 "tail_pages": len(self._tail_keys),
                 "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
                 "states_pending": len(self._state_offer),
@@ -1206,9 +1176,9 @@ class GpuckptConnector(KVConnectorBase_V1):
                 "captures_pending": len(self._capture_requests),
                 "stream": None if self._stream is None else {"seq": self._stream.seq, **self._stream.summary()},
                 "last_stream": dict(self._last_stream),
-                "offer_files": sorted(self._offer_files),
+                "offer_files": sorted(self._offers.files),
                 "files_to_delete": len(self._retired),
-                "durable": len(self._durable),
+                "durable": len(self._offers.durable),
                 "waits_pending": len(self._step_waiters),
             }
 

@@ -1,0 +1,87 @@
+"""A worker half's restore offer and durable keys, engine-neutral (the vLLM connector and the
+SGLang linker keep theirs in one of these).
+
+From the ``offer`` on, an offered page file belongs to the worker half: it is deleted when the
+offer ends — ``withdraw``, or ``ttl`` seconds after the offer — and a streaming restore's later
+parts carry the first part's ``generation``, so a part that arrives after its offer ended is
+refused (and its file deleted by the caller). ``durable`` are the keys the repository holds
+(acknowledged by the agent after a commit, or read from it by a restore): an incremental
+capture does not copy them.
+
+Not locked: the owner's lock guards every call, and the owner's ``on_expire`` (called from the
+TTL timer's thread) takes that lock before it calls :meth:`OfferBook.expired`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["OfferBook"]
+
+
+class OfferBook:
+    def __init__(self, on_expire: Callable[[], None]) -> None:
+        #: key → page file index path; replaced, never mutated, so a reader without the lock
+        #: holds a consistent snapshot
+        self.keys: dict[bytes, str] = {}
+        self.files: set[str] = set()
+        self.generation = 0  # one per restore offer; ends with it
+        self.durable: set[bytes] = set()
+        self._on_expire = on_expire
+        self._expiry: threading.Timer | None = None
+
+    def admit(self, generation: Any) -> bool:
+        """Whether a part of ``generation`` may be offered (``None``: a new restore's first part,
+        which starts a new generation); False for a part of an offer that has ended."""
+        if generation is not None:
+            return int(generation) == self.generation
+        self.generation += 1
+        return True
+
+    def add(self, path: str, keys: Iterable[bytes]) -> int:
+        """Offer ``keys`` from the page file ``path`` (now the owner's to delete); how many."""
+        self.files.add(path)
+        keys = list(keys)
+        if keys:
+            new = dict(self.keys)
+            for k in keys:
+                new[k] = path
+            self.keys = new
+            self.durable.update(keys)  # read from the repository: it holds them
+        return len(keys)
+
+    def expire_after(self, ttl: float) -> None:
+        """The offer ends ``ttl`` seconds from now (idle engine or not)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = threading.Timer(float(ttl), self._on_expire)
+        self._expiry.daemon = True
+        self._expiry.start()
+
+    def end(self) -> list[str]:
+        """Withdraw every offered key; the page files to delete (once no load reads them)."""
+        self.generation += 1  # later parts of a streaming restore are refused
+        self.keys = {}
+        files, self.files = sorted(self.files), set()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        return files
+
+    def expired(self) -> list[str] | None:
+        """The TTL ran out: :meth:`end`'s files, or None when nothing was offered any more."""
+        self._expiry = None
+        return self.end() if self.keys or self.files else None
+
+    def mark(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``durable {"add", "remove"}`` (hex keys) → the reply: the agent's word on what the repository holds."""
+        try:
+            add = [bytes.fromhex(k) for k in req.get("add") or []]
+            remove = [bytes.fromhex(k) for k in req.get("remove") or []]
+        except (TypeError, ValueError):
+            return {"ok": False, "error": "durable: keys must be hex strings"}
+        self.durable.update(add)
+        self.durable.difference_update(remove)
+        return {"ok": True, "durable": len(self.durable)}

@@ -1,0 +1,48 @@
+"""The worker halves' restore offer bookkeeping (agent/engines/offers.py), shared by the vLLM
+connector and the SGLang linker; the real engines exercise it in tests/vllm and tests/sglang."""
+
+from __future__ import annotations
+
+import threading
+
+from agent.engines.offers import OfferBook
+
+
+def test_a_later_part_of_an_ended_offer_is_refused() -> None:
+    book = OfferBook(lambda: None)
+    assert book.admit(None)  # a restore's first part starts generation 1
+    first = book.generation
+    assert book.add("/s/a.json", [b"k1", b"k2"]) == 2
+    assert book.admit(first)  # its later part
+    book.add("/s/b.json", [b"k3"])
+    assert book.keys == {b"k1": "/s/a.json", b"k2": "/s/a.json", b"k3": "/s/b.json"}
+    assert book.durable == {b"k1", b"k2", b"k3"}  # read from the repository: it holds them
+    assert book.end() == ["/s/a.json", "/s/b.json"]  # the owner deletes these
+    assert book.keys == {}
+    assert not book.admit(first), "a part of a withdrawn offer"
+    assert book.admit(None)  # the next restore
+    assert book.generation == first + 2
+
+
+def test_the_offer_ends_after_its_ttl_and_a_snapshot_stays_consistent() -> None:
+    expired = threading.Event()
+    book = OfferBook(expired.set)
+    book.admit(None)
+    book.add("/s/a.json", [b"k1"])
+    snapshot = book.keys
+    book.expire_after(0.01)
+    assert expired.wait(30)  # the timer fires on its own (an idle engine or not)
+    assert book.expired() == ["/s/a.json"]
+    assert snapshot == {b"k1": "/s/a.json"}  # replaced, not mutated, under a reader
+    assert book.expired() is None  # nothing offered any more
+
+
+def test_durable_keys_follow_the_agents_word() -> None:
+    book = OfferBook(lambda: None)
+    assert book.mark({"add": ["aa", "bb"]}) == {"ok": True, "durable": 2}
+    assert book.mark({"remove": ["aa"]}) == {"ok": True, "durable": 1}
+    assert book.durable == {b"\xbb"}
+    bad = book.mark({"add": ["not hex"]})
+    assert bad["ok"] is False
+    assert "hex" in bad["error"]
+    assert book.durable == {b"\xbb"}  # nothing applied from a bad request
