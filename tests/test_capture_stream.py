@@ -8,7 +8,8 @@ from collections import deque
 
 import pytest
 
-from agent.engines.vllm.capture import RING, Pending, Stream, chunk_pages, save_queue_bound
+from agent.engines.staging import save_queue_bound
+from agent.engines.vllm.capture import RING, Pending, Stream, chunk_pages
 
 PAGE = 1000
 

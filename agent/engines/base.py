@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ckpt import Block, Existing, Ledger, Manifest, Namespace, WorkerFacts
-from ckpt.errors import EngineMismatch
 
 if TYPE_CHECKING:
     from agent.engines import serving
@@ -206,27 +205,21 @@ class Engine(abc.ABC):
         """The worker's pins, layout and namespace; :class:`ckpt.EngineMismatch` if it is another engine."""
         from agent.engines import driver
 
-        desc = driver.describe(self.socket)
-        if desc.facts.engine and desc.facts.engine != self.name:
-            raise EngineMismatch(
-                f"the worker on {self.socket} runs {desc.facts.engine}, not {self.name} (the agent's `engine` setting)"
-            )
-        return desc
+        return driver.describe(self.socket, self.name)
 
     def checkpoint(self, repo: Any, worker_id: str, **kw: Any) -> Checkpointed:
         """Capture and save (see :func:`agent.engines.driver.checkpoint` for the keywords)."""
         from agent.engines import driver
 
-        self.describe()  # the engine it claims to be, or EngineMismatch before anything is captured
         stats: dict[str, Any] = {}
-        m = driver.checkpoint(self.socket, repo, worker_id, where=self.staging, stats=stats, **kw)
+        m = driver.checkpoint(self.socket, repo, worker_id, where=self.staging, stats=stats, engine=self.name, **kw)
         return Checkpointed(m, stats)
 
     def precopy(self, repo: Any, **kw: Any) -> dict[str, Any]:
         """Store new cached pages ahead of the next checkpoint (:func:`agent.engines.driver.precopy`)."""
         from agent.engines import driver
 
-        return driver.precopy(self.socket, repo, where=self.staging, **kw)
+        return driver.precopy(self.socket, repo, where=self.staging, engine=self.name, **kw)
 
     def plan(self, manifest: Manifest, policy: Any = None) -> Decision:
         """Would a restore of ``manifest`` into this worker be warm, and why not
@@ -239,8 +232,7 @@ class Engine(abc.ABC):
         """Plan and offer a restore (:func:`agent.engines.driver.restore`)."""
         from agent.engines import driver
 
-        self.describe()
-        return driver.restore(repo, ref, self.socket, trust=self.staging.trust, **kw)
+        return driver.restore(repo, ref, self.socket, trust=self.staging.trust, engine=self.name, **kw)
 
     def withdraw(self) -> int:
         """End the worker's restore offer; returns the page files it held."""

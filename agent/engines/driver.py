@@ -1,9 +1,10 @@
-"""The agent side of the vLLM adapter: checkpoint a running worker into a
+"""The agent side of every engine adapter: checkpoint a running worker into a
 repository, and restore a checkpoint into a fresh one.
 
-Both talk to the connector's scheduler half over its control socket (see
-:mod:`agent.engines.vllm.connector`), so they work the same for an offline
-``vllm.LLM`` and for ``vllm serve``; the heavy work (hashing, compression,
+Both talk to the adapter inside the serving process (vLLM's connector,
+:mod:`agent.engines.vllm.connector`; SGLang's cache linker,
+:mod:`agent.engines.sglang.linker`) over its control socket, one protocol for
+both, so they work the same for any engine and any way it is served; the heavy work (hashing, compression,
 upload, download, verification) runs here, never in the serving process.
 
 Restore order: read the manifest → ask the new worker for its pins → run the
@@ -40,6 +41,7 @@ from ckpt import (
     Block,
     BlockFailure,
     BlocksMissing,
+    EngineMismatch,
     Existing,
     Ledger,
     Manifest,
@@ -57,9 +59,16 @@ Socket = str | os.PathLike[str]
 log = logging.getLogger("gpuckpt.driver")
 
 
-def describe(sock: Socket) -> WorkerDescription:
+def describe(sock: Socket, engine: str | None = None) -> WorkerDescription:
+    """The worker's pins, layout and namespace; with ``engine``, :class:`ckpt.EngineMismatch` if it
+    runs another engine (before anything else is asked of it)."""
     r = control.call(sock, "describe")
-    return WorkerDescription(WorkerFacts.model_validate(r["facts"]), r["layout"], r["namespace"])
+    desc = WorkerDescription(WorkerFacts.model_validate(r["facts"]), r["layout"], r["namespace"])
+    if engine and desc.facts.engine and desc.facts.engine != engine:
+        raise EngineMismatch(
+            f"the worker on {sock} runs {desc.facts.engine}, not {engine} (the agent's `engine` setting)"
+        )
+    return desc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +299,7 @@ def checkpoint(
     copy_per_step: int | None = None,
     where: Staging | None = None,
     stats: dict[str, Any] | None = None,
+    engine: str | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
 
@@ -314,7 +324,7 @@ def checkpoint(
     """
     if deadline is not None:
         timeout = max(0.1, min(timeout, deadline - time.monotonic()))
-    desc = describe(sock)
+    desc = describe(sock, engine)
     t_canary = time.monotonic()
     if canary is None and generate is not None:
         canary = canary_mod.record(generate)
@@ -378,7 +388,7 @@ def _save_options(repo: Repository, cap: Capture) -> SaveOptions:
     capture's staging bound (those pages are still mapped staging)."""
     opts = repo.default_save_options()
     bound = cap.stats.get("max_staging_bytes")
-    return dataclasses.replace(opts, max_queued_raw=max(1, int(bound) // 2)) if bound else opts
+    return dataclasses.replace(opts, max_queued_raw=staging.save_queue_bound(int(bound))) if bound else opts
 
 
 def _failures(errors: list[BlockFailure]) -> list[str]:
@@ -395,6 +405,7 @@ def precopy(
     deadline: float | None = None,
     cancel: threading.Event | None = None,
     where: Staging | None = None,
+    engine: str | None = None,
 ) -> dict[str, Any]:
     """Store the worker's cached full blocks the repository does not hold yet, between checkpoints.
 
@@ -407,7 +418,7 @@ def precopy(
     flight (the pre-copy then fails and stores nothing more). Returns counts.
     """
     t0 = time.monotonic()
-    desc = describe(sock)
+    desc = describe(sock, engine)
     cap = capture(
         sock, timeout, None, prefix_only=True, copy_per_step=copy_per_step, max_staging=max_staging, where=where
     )
@@ -672,6 +683,7 @@ def restore(
     max_staging: int | None = None,
     wait: bool = False,
     trust: Trust | None = None,
+    engine: str | None = None,
 ) -> RestorePlan:
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
 
@@ -717,7 +729,7 @@ def restore(
     m = repo.manifest(ref)
     t = lap("manifest_s", t0)
     requests = ledgers.format_of(m.ledger).resubmissions(m.ledger) if m.ledger is not None else []
-    desc = describe(sock)
+    desc = describe(sock, engine)
     t = lap("describe_s", t)
     reasons = list(restore_decision(m, desc, policy).reasons)
     if require_canary and m.canary is None:

@@ -39,6 +39,12 @@ VERSION = 1
 MAX_INDEX_BYTES = 64 << 20
 
 
+def save_queue_bound(max_staging: int) -> int:
+    """Raw bytes the agent's save may hold queued from read (deleted, still mapped) chunks: half
+    of a capture's staging bound (the worker half sizes its chunks to the other half)."""
+    return max(1, max_staging // 2)
+
+
 def default_dir(tag: str) -> Path:
     # A shared, world-writable place: ensure_dir refuses anything there that is
     # not a real directory owned by us (no symlink or squatting games).

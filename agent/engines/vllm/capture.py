@@ -90,18 +90,13 @@ def chunk_pages(page_bytes: int, *, max_staging: int, copy_per_step: int) -> tup
     and the staged chunks (written, being written or not yet acknowledged) take at most half of
     ``max_staging`` — at least two of them where the bound allows, so the worker copies one while
     the agent reads another. The other half is for pages of read chunks still queued in the agent's
-    save (:func:`save_queue_bound`). A deeper ring hides the agent's round trip per chunk: under
+    save (:func:`agent.engines.staging.save_queue_bound`). A deeper ring hides the agent's round trip per chunk: under
     load that is tens of milliseconds, many engine steps."""
     page_bytes = max(1, page_bytes)
     half = max_staging // 2
     per_step = copy_per_step // page_bytes
     pages = max(1, min(per_step, half // (RING * page_bytes)))
     return pages, max(1, half // (pages * page_bytes))
-
-
-def save_queue_bound(max_staging: int) -> int:
-    """Raw bytes the agent's save may hold queued from read (deleted, still mapped) chunks."""
-    return max(1, max_staging // 2)
 
 
 @dataclass
