@@ -56,7 +56,9 @@ class _Range:
     refs: tuple[BlockRef, ...]
 
 
-def plan_ranges(refs: Iterable[BlockRef]) -> list[_Range]:
+def plan_ranges(refs: Iterable[BlockRef], order: dict[str, int] | None = None) -> list[_Range]:
+    """Coalesce ``refs`` into ranged reads, pack by pack. With ``order`` (key → rank), the ranges
+    come in the order of the first-ranked block each holds: what a caller needs first is read first."""
     by_pack: dict[str, list[BlockRef]] = {}
     for r in refs:
         by_pack.setdefault(r.pack, []).append(r)
@@ -76,6 +78,8 @@ def plan_ranges(refs: Iterable[BlockRef]) -> list[_Range]:
             end = max(end, r.offset + r.length)
         if cur:
             out.append(_Range(pack, start, end, tuple(cur)))
+    if order is not None:
+        out.sort(key=lambda rg: min(order[r.key] for r in rg.refs))
     return out
 
 
@@ -174,15 +178,21 @@ def load_blocks(
 ) -> Iterator[LoadedBlock]:
     """Yield the manifest's blocks (or those whose key is in ``keys``), verified.
 
-    Blocks come in the order their ranges arrive, not manifest order. Without
+    Blocks come in the order their ranges arrive, not manifest order; with
+    ``keys``, ranges are read in the order of the keys they hold (a streaming
+    restore names the first request's pages first). Without
     ``errors`` the first failure raises (IntegrityError names the pack and
     blob); with a list, failures are appended there and the rest still load,
     so a caller can recompute just the affected blocks.
     """
-    wanted = {k.hex() for k in keys} if keys is not None else None
-    refs = [r for r in manifest.blocks if wanted is None or r.key in wanted]
+    order: dict[str, int] | None = None
+    if keys is not None:
+        order = {}
+        for k in keys:  # a key's rank: where it is first named
+            order.setdefault(k.hex(), len(order))
+    refs = [r for r in manifest.blocks if order is None or r.key in order]
     pipelines = [Pipeline.from_specs([s.model_dump() for s in p]) for p in manifest.codecs]
-    ranges = plan_ranges(refs)
+    ranges = plan_ranges(refs, order)
     stop = threading.Event()
 
     def fetch(rg: _Range) -> list[LoadedBlock | BlockFailure]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import re
 import secrets
 from collections.abc import Iterator
@@ -160,16 +161,32 @@ class Manifest(_Strict):
         return document.seal(KIND, VERSION, self.name, body, keyring)
 
     @classmethod
+    def _from_text(cls, name: str, text: bytes) -> Manifest:
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            if exc.errors()[0]["type"] != "json_invalid":
+                raise
+        # pydantic's parser refuses what Python's reads (nesting past ~200 levels, which the
+        # schema allows where it takes any JSON): Python's judges, as before
+        try:
+            body = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(f"{name}: body is not valid JSON ({type(exc).__name__}: {exc})") from None
+        return cls.model_validate(body)
+
+    @classmethod
     def decode(cls, name: str, data: bytes, keyring: Keyring | None, max_bytes: int = DEFAULT_MAX_BYTES) -> Manifest:
         """Parse and check a stored manifest; every failure names ``name`` and the cause."""
         if len(data) > max_bytes:
             raise ManifestError(f"{name}: {len(data)} bytes exceeds the manifest size limit {max_bytes}")
         try:
             with _collector_paused():
-                _, body = document.open_envelope(
+                # the verified canonical text, parsed once, straight into the model
+                _, text = document.open_canonical(
                     data, kind=KIND, supported=SUPPORTED, name=name, keyring=keyring, error=ManifestError
                 )
-                m = cls.model_validate(body)
+                m = cls._from_text(name, text)
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])

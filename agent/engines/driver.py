@@ -29,13 +29,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from agent.engines import canary as canary_mod
 from agent.engines import control, ledgers, shards, staging
 from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
+from agent.engines.offers import AWAIT_S
 from agent.fs import Trust
 from ckpt import (
     Block,
@@ -473,6 +473,9 @@ def _offer_states(sock: Socket, states: dict[str, dict[str, Any]], problems: dic
     return int(reply.get("requests", 0))
 
 
+#: when a streaming restore's resubmitted requests run (see :func:`restore`)
+Release = Literal["each", "together"]
+
 #: pages per restore page file of the rest of a streaming restore (each offered once verified)
 RESTORE_CHUNK_BYTES = 64 << 20
 
@@ -486,12 +489,14 @@ def default_restore_staging(directory: Path) -> int:
         return 4 << 30
 
 
-def _first_keys(sock: Socket, m: Manifest) -> tuple[list[bytes], list[bytes]]:
-    """The checkpoint's pages the resubmitted requests read, in order, and those the canary probe
-    reads: keys computed by the new worker's engine from their tokens (:meth:`keys` on the connector)."""
+def _first_keys(sock: Socket, m: Manifest) -> tuple[list[tuple[str, list[bytes]]], list[bytes]]:
+    """The checkpoint's pages each resubmitted request reads — (client id, keys), in the ledger's
+    order — and those the canary probe reads: keys computed by the new worker's engine from their
+    tokens (the ``keys`` command)."""
     if m.ledger is None and m.canary is None:
         return [], []
     reqs = ledgers.format_of(m.ledger).key_requests(m.ledger) if m.ledger is not None else []
+    ids = [str(r.pop("request_id", "")) for r in reqs]
     if m.canary is not None:
         toks = list(m.canary.get("prompt_token_ids", [])) + list(m.canary.get("expected", []))
         reqs.append({"token_ids": toks, "kv_tokens": max(0, len(toks) - 1), "cache_salt": None})
@@ -502,12 +507,12 @@ def _first_keys(sock: Socket, m: Manifest) -> tuple[list[bytes], list[bytes]]:
         return [], []
     have = {r.key for r in m.blocks}
 
-    def held(lists: list[list[str]]) -> list[bytes]:
-        return list(dict.fromkeys(bytes.fromhex(k) for keys in lists for k in keys if k in have))
+    def held(keys: list[str]) -> list[bytes]:
+        return list(dict.fromkeys(bytes.fromhex(k) for k in keys if k in have))
 
-    if m.canary is None:
-        return held(got), []
-    return held(got[:-1]), held(got[-1:])
+    per_request = [(cid, held(keys)) for cid, keys in zip(ids, got, strict=False)]
+    probe = held(got[len(ids)]) if m.canary is not None and len(got) > len(ids) else []
+    return per_request, probe
 
 
 def _write_pages(
@@ -543,50 +548,68 @@ def _probe(canary: dict[str, Any], generate: canary_mod.Generate) -> tuple[bool,
     return ok, list(got), why, time.monotonic() - t
 
 
-def _offer_part(
-    repo: Repository,
-    m: Manifest,
-    sock: Socket,
-    keys: list[bytes],
-    out: Staging,
-    name: str,
-    generation: int,
-    errors: list[BlockFailure],
-) -> tuple[int, int]:
-    """Write ``keys`` into page file ``name`` and offer it as a later part of offer ``generation``;
-    returns (blocks the worker took, blocks written). A refused part (the offer ended: the
-    connector deleted it; or the worker refused it) raises :class:`control.ControlError`, its
-    file deleted either way."""
-    w, got = _write_pages(repo, m, keys, out, name, errors)
-    if not got:
-        staging.unlink_pair(w.index_path)
-        return 0, 0
+def _offer_file(sock: Socket, w: staging.PageWriter | None, generation: int, ready: list[str] | None = None) -> int:
+    """Offer committed page file ``w`` (None: no pages, only ``ready``) as a later part of offer
+    ``generation``; ``ready`` are requests whose pages are all offered (or failed) now. Returns
+    the blocks the worker took. A refused part (the offer ended: the connector deleted it; or the
+    worker refused it) raises :class:`control.ControlError`, its file deleted either way."""
+    index = str(w.index_path) if w is not None else None
     try:
-        reply = control.call(sock, "offer", index=str(w.index_path), generation=generation)
+        reply = control.call(sock, "offer", index=index, generation=generation, ready=ready or [])
     except BaseException:
-        staging.unlink_pair(w.index_path)  # refused: still ours to delete
+        if w is not None:
+            staging.unlink_pair(w.index_path)  # refused: still ours to delete
         raise
-    return int(reply.get("offered", 0)), got
+    return int(reply.get("offered", 0))
 
 
 class _RestoreRest:
-    """The rest of a streaming restore: page files of verified blocks offered one by one, behind the
-    in-flight requests' part, until every block is offered or the staging bound is reached. Stops
-    when the offer ends (withdrawn, expired: the connector refuses a later part by its generation)."""
+    """The rest of a streaming restore, behind its first part, on a thread of its own.
+
+    First the in-flight requests' pages, request by request, beside the
+    canary probe: loads of 1, 2, 4, … requests' pages in the requests'
+    order, cut into a page file each time a request's pages are complete,
+    which is
+    offered naming that request ``ready`` (a worker holds a resubmitted
+    request until then — see the connector's ``awaiting``). Then, once
+    ``go`` is set (the probe passed), the prefix cache: page files of
+    verified blocks offered one by one until every block is offered or the
+    staging bound is reached. Stops when the offer ends (withdrawn, expired:
+    the connector refuses a later part by its generation) or :meth:`stop`
+    is called.
+    """
 
     def __init__(
         self,
         repo: Repository,
         m: Manifest,
         sock: Socket,
+        waiting: list[tuple[str, list[bytes]]],
         keys: list[bytes],
         out: Staging,
         generation: int,
         budget: int,
+        go: threading.Event,
+        each: bool = True,
     ) -> None:
         self.offered = 0
-        self.stats: dict[str, Any] = {"blocks": 0, "failed_blocks": 0, "failures": [], "parts": 0, "not_offered": 0}
-        self._args = (repo, m, sock, keys, out, generation, budget)
+        self.stats: dict[str, Any] = {
+            "blocks": 0,
+            "failed_blocks": 0,
+            "failures": [],
+            "parts": 0,
+            "not_offered": 0,
+            "inflight_blocks": 0,
+            "inflight_parts": 0,
+        }
+        self.inflight_done = threading.Event()  # every in-flight request's pages offered (or failed)
+        self._repo, self._m, self._sock, self._out = repo, m, sock, out
+        self._keys, self._generation, self._budget = keys, generation, budget
+        self._waiting = waiting
+        self._each = each
+        self._go = go
+        self._stopped = threading.Event()
+        self._seq = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuckpt-restore-rest", daemon=True)
         self._thread.start()
@@ -594,12 +617,115 @@ class _RestoreRest:
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 
+    def stop(self) -> None:
+        """Offer nothing more (a failed canary: the offer is withdrawn)."""
+        self._stopped.set()
+        self._go.set()
+
+    def _writer(self) -> staging.PageWriter:
+        m, out = self._m, self._out
+        assert out.directory is not None
+        self._seq += 1
+        return staging.PageWriter(
+            out.directory,
+            f"restore-{m.id}-{self._seq}",
+            dtype=m.layout["page_dtype"],
+            page_shape=m.layout["page_shape"],
+            layers=m.layout["page_layers"],
+            trust=out.trust,
+        )
+
+    def _part(self, w: staging.PageWriter | None, ready: list[str], *, inflight: bool) -> None:
+        """Commit and offer ``w`` (if it holds pages) naming ``ready``."""
+        n = 0
+        if w is not None:
+            n = len(w.keys)
+            if n:
+                w.commit()
+            else:
+                w.abort()
+                w = None
+        if w is None and not ready:
+            return
+        self.offered += _offer_file(self._sock, w, self._generation, ready)
+        if n:
+            self.stats["blocks"] += n
+            self.stats["parts"] += 1
+            if inflight:
+                self.stats["inflight_blocks"] += n
+                self.stats["inflight_parts"] += 1
+
+    def _requests(self, waiting: list[tuple[str, list[bytes]]], done: set[bytes]) -> None:
+        """Load the pages of ``waiting`` requests not in ``done``, in their order, offering a part
+        each time some request's pages are all in (or failed)."""
+        need: dict[str, set[bytes]] = {cid: set(ks) - done for cid, ks in waiting}
+        by_key: dict[bytes, list[str]] = {}
+        for cid in need:
+            for k in need[cid]:
+                by_key.setdefault(k, []).append(cid)
+        ready = [cid for cid, ks in need.items() if not ks]
+        order = list(dict.fromkeys(k for cid, ks in waiting for k in ks if k in by_key))
+        errors: list[BlockFailure] = []
+        seen_errors = 0
+        w: staging.PageWriter | None = self._writer()
+
+        def settle(key: bytes) -> None:
+            done.add(key)
+            for cid in by_key.pop(key, ()):
+                need[cid].discard(key)
+                if not need[cid]:
+                    ready.append(cid)
+
+        try:
+            for lb in self._repo.load(self._m, keys=order, errors=errors) if order else ():
+                if self._stopped.is_set():
+                    return
+                assert w is not None
+                w.write(lb.key, lb.data)
+                settle(lb.key)
+                for f in errors[seen_errors:]:
+                    settle(f.key)
+                seen_errors = len(errors)
+                if ready:
+                    self._part(w, ready, inflight=True)
+                    ready, w = [], self._writer()
+            for f in errors[seen_errors:]:
+                settle(f.key)
+            self._part(w, ready + [cid for cid, ks in need.items() if ks], inflight=True)
+            w = None
+        finally:
+            self._close(w, errors)
+
+    def _close(self, w: staging.PageWriter | None, errors: list[BlockFailure]) -> None:
+        """After a load: an unoffered page file deleted, its failed blocks counted."""
+        if w is not None:
+            w.abort()
+        self.stats["failed_blocks"] += len(errors)
+        self.stats["failures"] += _failures(errors)[:10]
+
     def _run(self) -> None:
-        repo, m, sock, keys, out, generation, budget = self._args
+        m, keys, budget = self._m, self._keys, self._budget
         t0 = time.monotonic()
         page = max(1, m.blocks[0].raw_length if m.blocks else 1)
         per_part = max(1, RESTORE_CHUNK_BYTES // page)
         try:
+            if self._waiting:
+                done: set[bytes] = set()
+                # In waves of 1, 2, 4, … requests: one load shares its reads out over every range it
+                # is given, so all of its requests' pages arrive together, no sooner than the last's;
+                # doubling waves keep the reads parallel and still free the first requests first.
+                # Released together (``each`` false), they are one load: the most parallel reads.
+                i, wave = 0, 1 if self._each else len(self._waiting)
+                while i < len(self._waiting):
+                    self._requests(self._waiting[i : i + wave], done)
+                    if not i:
+                        self.stats["first_request_s"] = time.monotonic() - t0
+                    i, wave = i + wave, wave * 2
+                self.stats["inflight_s"] = time.monotonic() - t0
+            self.inflight_done.set()
+            self._go.wait()  # the prefix cache once the probe passed
+            if self._stopped.is_set():
+                return
             allowed = max(0, budget // page)
             if allowed < len(keys):
                 self.stats["not_offered"] = len(keys) - allowed
@@ -610,24 +736,28 @@ class _RestoreRest:
                 keys = keys[:allowed]
             for i in range(0, len(keys), per_part):
                 errors: list[BlockFailure] = []
-                name = f"restore-{m.id}-{1 + i // per_part}"
+                w: staging.PageWriter | None = self._writer()
                 try:
-                    took, n = _offer_part(repo, m, sock, keys[i : i + per_part], out, name, generation, errors)
-                except control.ControlError as exc:  # the offer ended, or the worker refused the part
-                    self.stats["ended"] = str(exc)
-                    return
+                    for lb in self._repo.load(m, keys=keys[i : i + per_part], errors=errors):
+                        assert w is not None
+                        if self._stopped.is_set():
+                            return
+                        w.write(lb.key, lb.data)
+                    self._part(w, [], inflight=False)
+                    w = None
                 finally:
-                    self.stats["failed_blocks"] += len(errors)
-                    self.stats["failures"] += _failures(errors)[:10]
-                if n:
-                    self.offered += took
-                    self.stats["blocks"] += n
-                    self.stats["parts"] += 1
+                    self._close(w, errors)
+        except control.ControlError as exc:  # the offer ended, or the worker refused a part
+            self.stats["ended"] = str(exc)
         except Exception as exc:  # never harms the worker: what was offered stays, the rest recomputes
             log.exception("streaming the rest of a restore failed", extra={"checkpoint": m.id})
             self.stats["error"] = f"{type(exc).__name__}: {exc}"
+            if not self.inflight_done.is_set():  # the held requests go on with what they have
+                with contextlib.suppress(Exception):
+                    _offer_file(self._sock, None, self._generation, [cid for cid, _ in self._waiting])
         finally:
             self.stats["rest_s"] = time.monotonic() - t0
+            self.inflight_done.set()
             self._done.set()
 
 
@@ -684,16 +814,25 @@ def restore(
     wait: bool = False,
     trust: Trust | None = None,
     engine: str | None = None,
+    release: Release | None = None,
 ) -> RestorePlan:
     """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
 
-    Streaming, in-flight first: the pages the resubmitted requests (and the
-    canary probe) read — keys the new worker computes from their tokens —
-    are fetched, verified and offered first; the plan is returned then, so
-    the requests resume before the rest of the prefix cache has arrived.
-    The rest follows in page files of verified blocks offered as each is
-    written (``plan.rest``; ``plan.wait_offered()`` waits for it; ``wait``
-    does so before returning), up to ``max_staging`` bytes of staging in all
+    Streaming, in-flight first: the pages the canary probe and the
+    resubmitted requests read — keys the new worker computes from their
+    tokens — are fetched, verified and offered first, request by request
+    (:class:`_RestoreRest`). ``release`` says when the resubmitted requests
+    run. ``"each"``: the plan is returned once the probe passed, and a
+    worker that holds awaited requests (the offer's ``awaiting``; the vLLM
+    connector does) runs each as soon as its own pages are offered, while
+    later requests' pages still arrive. ``"together"``: the plan waits for
+    every in-flight page (so does ``"each"``, the default, with a worker
+    that cannot hold requests). On a worker that computes on the host's
+    CPU, requests running early take cores the fetch of the others needs:
+    ``docs/benchmarks.md`` has both measured. The prefix cache
+    follows in page files of verified blocks offered as each is written
+    (``plan.rest``; ``plan.wait_offered()`` waits for it; ``wait`` does so
+    before returning), up to ``max_staging`` bytes of staging in all
     (default: half the staging filesystem's free space); blocks past it are
     not offered and recompute when asked for. A block that fails
     verification is never offered: whoever needs it recomputes it.
@@ -715,8 +854,9 @@ def restore(
     request on a cold plan, a state the worker rejected) is a cold replay of
     that request, and says why. With ``generate`` (greedy, on the new
     worker) and a canary in the manifest, the probe runs after the first
-    part's offer, on the probe's own restored pages; on a mismatch the offer
-    is withdrawn (the rest is then refused) and the plan is cold.
+    part's offer, on the probe's own restored pages, while the requests'
+    pages are fetched behind it; on a mismatch the offer is withdrawn (the
+    rest is then refused) and the plan is cold.
     """
     t0 = time.monotonic()
     phases: dict[str, float] = {}  # where the time to the first offer goes (stats["phases"])
@@ -751,28 +891,36 @@ def restore(
     out = Staging(out_dir, trust or Trust.of())
     budget = max_staging if max_staging is not None else default_restore_staging(out_dir)
     t = time.monotonic()
-    req_keys, probe_keys = _first_keys(sock, m)
+    per_request, probe_keys = _first_keys(sock, m)
     t = lap("keys_s", t)
     page = max(1, m.blocks[0].raw_length if m.blocks else 1)
-    first = list(dict.fromkeys(req_keys + probe_keys))
+    probing = m.canary is not None and generate is not None
+    if not probing:
+        probe_keys = []  # the probe's pages are then part of the prefix cache like any other
+    first = list(dict.fromkeys([*probe_keys, *(k for _, ks in per_request for k in ks)]))
     if len(first) * page > budget:
         first = first[: budget // page]
     chosen = set(first)
     rest = [] if not first else [k for k in (bytes.fromhex(r.key) for r in m.blocks) if k not in chosen]
-    probing = m.canary is not None and generate is not None
-    # With a probe to run, its own pages are offered first and it runs while the requests' pages
-    # are fetched behind it: its time hides behind theirs (no request is resubmitted before it has
-    # passed: the plan is returned after both). Without an order (no in-flight request, an older
+    # The first part: the probe's own pages (it runs on them while the requests' pages are fetched
+    # behind it; no request is resubmitted before it passed: the plan is returned after it), or
+    # without a probe the first request's. Without an order (no in-flight request, an older
     # worker) the whole checkpoint is one part.
-    on_probe = set(probe_keys)
-    part0 = [k for k in first if k in on_probe] if probing else []
-    part1 = [k for k in first if k not in on_probe] if part0 else []
+    waiting = [(cid, [k for k in ks if k in chosen]) for cid, ks in per_request]
+    waiting = [(cid, ks) for cid, ks in waiting if ks]
+    if not first:
+        part0: list[bytes] | None = None
+    elif probing:
+        part0 = [k for k in probe_keys if k in chosen]
+    else:
+        part0 = waiting[0][1] if waiting else []
+    in_part0 = set(part0 or ())
+    waiting = [(cid, ks) for cid, ks in waiting if not set(ks) <= in_part0]
     errors: list[BlockFailure] = []
-    w, n = _write_pages(repo, m, (part0 or first) or None, out, f"restore-{m.id}-0", errors)
-    if part1 and not n:  # none of the probe's pages verified: the requests' pages lead, the probe after
-        staging.unlink_pair(w.index_path)
-        w, n = _write_pages(repo, m, part1, out, f"restore-{m.id}-0", errors)
-        part1 = []
+    w: staging.PageWriter | None = None
+    n = 0
+    if part0 is None or part0:
+        w, n = _write_pages(repo, m, part0, out, f"restore-{m.id}-0", errors)
     stats: dict[str, Any] = {
         "phases": phases,
         "generators": sum(1 for st in states.values() if st.get("generator_state")),
@@ -782,54 +930,69 @@ def restore(
         stats.update(blocks=n, first_blocks=n, failed_blocks=len(errors), failures=_failures(errors))
         stats["first_s"] = time.monotonic() - t0
 
-    if errors and not n and not rest and not part1:
+    if errors and not n and not rest and not waiting:
         count()
-        staging.unlink_pair(w.index_path)
+        if w is not None:
+            staging.unlink_pair(w.index_path)
         none_ok = f"no block of checkpoint {m.id} could be verified ({len(errors)} failed; first: {errors[0].error})"
         return cold([none_ok], stats)
+    index = str(w.index_path) if w is not None and n else None
+    if w is not None and not n:
+        staging.unlink_pair(w.index_path)
+    each = release != "together"
     try:
-        reply = control.call(sock, "offer", index=str(w.index_path), requests=states, ttl=offer_ttl)
+        reply = control.call(
+            sock,
+            "offer",
+            index=index,
+            requests=states,
+            ttl=offer_ttl,
+            awaiting=[cid for cid, _ in waiting] if each else [],
+            await_s=AWAIT_S,
+        )
     except BaseException:
-        staging.unlink_pair(w.index_path)  # not offered: still ours to delete
+        if index is not None:
+            staging.unlink_pair(index)  # not offered: still ours to delete
         raise
     offered = int(reply["offered"])
     generation = int(reply.get("generation", 0))
+    # a worker that does not hold awaited requests gets every in-flight page before the plan
+    holds = bool(reply.get("awaits"))
     for cid, rejected in (reply.get("rejected") or {}).items():
         problems.setdefault(cid, []).append(f"request state rejected by the worker: {rejected}")
-    probe: Future[tuple[bool, list[int], str | None, float]] | None = None
-    if m.canary is not None and generate is not None:
-        with ThreadPoolExecutor(1, thread_name_prefix="gpuckpt-canary") as pool:
-            probe = pool.submit(_probe, m.canary, generate)
-            try:
-                if part1:
-                    took, written = _offer_part(repo, m, sock, part1, out, f"restore-{m.id}-0b", generation, errors)
-                    offered, n = offered + took, n + written
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    control.call(sock, "withdraw")  # fail closed: a restore that raises serves nothing
-                raise
-    lap("fetch_s", t)
+    go = threading.Event()
+    tail = None
+    if waiting or rest:
+        left = budget - len(first) * page
+        tail = _RestoreRest(repo, m, sock, waiting, rest, out, generation, left, go, each=each and holds)
     count()
-    if probe is None:
+    if not probing:
+        go.set()
         stats["canary"] = {"checked": False, "recorded": m.canary is not None}
     else:
-        ok, got, why, secs = probe.result()
+        assert m.canary is not None
+        assert generate is not None
+        ok, got, why, secs = _probe(m.canary, generate)
         stats["canary"] = {
             "checked": True,
             "match": ok,
-            "expected": list(m.canary.get("expected", [])) if m.canary else [],
+            "expected": list(m.canary.get("expected", [])),
             "got": got,
             "canary_s": secs,
-            "overlapped": bool(part1),
+            "on_restored_pages": n > 0,
         }
         if not ok:
+            if tail is not None:
+                tail.stop()
             control.call(sock, "withdraw")  # fail closed: nothing of this checkpoint is served
             stats["withdrawn"] = offered
             return cold([str(why)], stats)
+        go.set()
+    stats["release"] = "each" if each and holds else "together"
+    if tail is not None and stats["release"] == "together":
+        tail.inflight_done.wait()
+    lap("fetch_s", t)
     stats["plan_s"] = time.monotonic() - t0
-    tail = None
-    if rest:
-        tail = _RestoreRest(repo, m, sock, rest, out, generation, budget - n * page)
     plan = RestorePlan(True, [], _annotate(requests, problems), blocks_offered=offered, stats=stats, rest=tail)
     if wait:
         plan.wait_offered()

@@ -18,7 +18,12 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["OfferBook"]
+__all__ = ["AWAIT_S", "OfferBook"]
+
+#: How long a streaming restore's requests wait for their pages with no part arriving before they
+#: go on without them (what is missing recomputes): an agent that died mid-restore holds no
+#: request for longer.
+AWAIT_S = 10.0
 
 
 class OfferBook:

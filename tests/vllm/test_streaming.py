@@ -15,8 +15,10 @@ conversation then finds its history warm.
 
 Worker C restores with the in-flight requests' pages moved to the back of
 the stream (they arrive late): the requests recompute what was not there in
-time and still continue token-exact. No restore page file outlives a
-withdraw.
+time and still continue token-exact. Worker D restores releasing each
+request as its own pages arrive, with those pages held back until the
+requests are in the worker: it holds them, and they resume from their
+restored pages. No restore page file outlives a withdraw.
 """
 
 from __future__ import annotations
@@ -126,24 +128,45 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         out["stage_a_left"] = sorted(p.name for p in (tmp / "stage-a").glob("capture-*"))
         a.kill()
 
-    def restore_into(name: str, late: bool) -> dict:
+    def restore_into(name: str, late: bool = False, each: bool = False) -> dict:
         res: dict = {}
-        with serve_worker(tiny_llama, tmp, name) as w:
+        with serve_worker(tiny_llama, tmp, name) as w, pytest.MonkeyPatch.context() as mp:
             w.wait_ready()
             stage = tmp / f"restore-{name}"
+            gate = threading.Event()
             if late:
                 # the in-flight requests' pages at the back of the stream, after the whole prefix cache
-                with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(driver, "_first_keys", lambda sock, m: ([], _canary_keys(sock, m)))
-                    plan = driver.restore(
-                        repo, m.id, w.control_socket, staging_dir=str(stage), generate=w.client.generate
-                    )
-            else:
-                plan = driver.restore(repo, m.id, w.control_socket, staging_dir=str(stage), generate=w.client.generate)
+                mp.setattr(driver, "_first_keys", lambda sock, m: ([], _canary_keys(sock, m)))
+            if each:
+                # every part after the first waits until the resubmitted requests are in the worker
+                offer = driver._offer_file
+
+                def gated(*a, **kw):  # type: ignore[no-untyped-def]
+                    assert gate.wait(300)
+                    return offer(*a, **kw)
+
+                mp.setattr(driver, "_offer_file", gated)
+            plan = driver.restore(
+                repo,
+                m.id,
+                w.control_socket,
+                staging_dir=str(stage),
+                generate=w.client.generate,
+                release="each" if each else "together",
+            )
             res["plan"] = plan
-            res["first_blocks"] = plan.stats["first_blocks"]
-            res["resumed"] = w.client.submit(plan.requests)
+            res["returned_before_pages"] = plan.rest is not None and not plan.rest.inflight_done.is_set()
+            got: dict = {}
+            submit = threading.Thread(target=lambda: got.update(w.client.submit(plan.requests)))
+            submit.start()
+            if each:
+                driver.wait_until(w.control_socket, live=len(plan.requests), timeout=120)
+                res["awaiting"] = driver.stats(w.control_socket)["awaiting"]
+                gate.set()
+            submit.join(300)
+            res["resumed"] = got
             assert plan.wait_offered(120), "the rest of the restore did not arrive"
+            res["first_blocks"] = plan.stats["first_blocks"] + (plan.rest.stats["inflight_blocks"] if plan.rest else 0)
             res["offered_total"] = plan.offered_total
             res["rest"] = dict(plan.rest.stats) if plan.rest is not None else {}
             res["next"] = w.client.complete(out["next_prompt"], TURN, stream=False)
@@ -160,8 +183,9 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         have = {b.key for b in m.blocks}
         return [bytes.fromhex(k) for k in got if k in have]
 
-    out["b"] = restore_into("b", late=False)
+    out["b"] = restore_into("b")
     out["c"] = restore_into("c", late=True)
+    out["d"] = restore_into("d", each=True)
     return out
 
 
@@ -199,6 +223,24 @@ def test_a_streaming_restore_resumes_in_flight_requests_first_token_exact(stream
     assert b["next"].token_ids == streamed["next_reference"]
     assert b["next"].cached_tokens >= len(streamed["next_prompt"]) - 40, b["next"].cached_tokens
     assert b["stage_left"] == []
+
+
+def test_released_each_a_request_waits_in_the_worker_for_its_own_pages(streamed: dict) -> None:
+    """``release="each"``: the plan comes back after the probe, before the requests' pages; the
+    worker holds each resubmitted request until its pages are offered (here: not before every
+    request has arrived), so they resume from restored pages, token-exact, not from a recompute."""
+    d, m = streamed["d"], streamed["checkpoint"]
+    assert d["plan"].warm, d["plan"].reasons
+    assert d["plan"].stats["release"] == "each"
+    assert d["returned_before_pages"], "the plan waited for the in-flight pages"
+    assert d["awaiting"] == len(d["plan"].requests), d["awaiting"]
+    assert 0 < d["first_blocks"] < len(m.blocks) // 2
+    for r in d["plan"].requests:
+        got = d["resumed"][r.request_id]
+        assert list(r.output_token_ids) + list(got.token_ids) == streamed["reference"][r.request_id]
+        assert got.cached_tokens >= len(r.token_ids) - 32, (r.request_id, got.cached_tokens, len(r.token_ids))
+    assert d["offered_total"] == len(m.blocks), d["rest"]
+    assert d["stage_left"] == []
 
 
 def test_late_blocks_are_recomputed_and_continuations_stay_exact(streamed: dict) -> None:

@@ -199,9 +199,11 @@ def request_states(ledger: Ledger | dict[str, Any], *, warm: bool) -> tuple[dict
 
 
 def key_requests(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
-    """The ``keys`` command's request list: each request's tokens, KV length and namespace."""
+    """The ``keys`` command's request list: each request's tokens, KV length and namespace, and
+    its ``request_id`` (the rid it is resubmitted under)."""
     return [
         {
+            "request_id": e["rid"],
             "token_ids": list(e["prompt_token_ids"]) + list(e["output_token_ids"]),
             "kv_tokens": int(e["kv_tokens"]),
             "extra_key": e.get("extra_key"),

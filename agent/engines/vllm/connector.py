@@ -139,7 +139,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent import fs
 from agent.engines import control, staging
-from agent.engines.offers import OfferBook
+from agent.engines.offers import AWAIT_S, OfferBook
 from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import (
     DEFAULT_COPY_PER_STEP,
@@ -360,6 +360,12 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._hold = 0  # hold new requests until this many have arrived (see get_num_new_matched_tokens)
         self._hold_until = 0.0
         self._held: set[str] = set()
+        # A streaming restore's requests whose pages are still on their way (client ids): they wait
+        # (None from get_num_new_matched_tokens) until the agent says they are ready, the offer
+        # ends, or no part has come for _await_s (a dead agent never holds them for long).
+        self._awaiting: set[str] = set()
+        self._await_until = 0.0
+        self._offered = threading.Event()  # set by each offer: an engine idle on awaited requests wakes
         # The capture in flight (one at a time): its consistent point is taken, its full blocks
         # follow chunk by chunk (see .capture). Control calls wait on _cond for its chunks.
         self._stream: Stream | None = None
@@ -487,6 +493,11 @@ class GpuckptConnector(KVConnectorBase_V1):
         """The offered blocks that extend the local hit, as tokens; side-effect free
         apart from remembering the plan for ``update_state_after_alloc``.
 
+        A streaming restore's request whose pages are still being fetched (the
+        offer's ``awaiting``, until a later part names it ``ready``) waits the
+        same way, so it resumes from its restored pages as soon as they are in,
+        not from a recompute, while requests whose pages arrived already run.
+
         While a hold is set (``{"cmd": "hold", "requests": n}``) new requests
         wait (``None``: the scheduler skips them this step) until ``n`` have
         arrived, then start together: resubmitted requests batch as they did
@@ -499,6 +510,11 @@ class GpuckptConnector(KVConnectorBase_V1):
                 if len(self._held) < self._hold and time.monotonic() < self._hold_until:
                     return None, False
                 self._hold, self._held = 0, set()
+            if self._awaiting and client_id(request.request_id) in self._awaiting:
+                if time.monotonic() < self._await_until:
+                    return None, False
+                log.warning("gpuckpt: %d restored requests waited too long for their pages", len(self._awaiting))
+                self._awaiting = set()  # they go on with what was offered; the rest recomputes
             offer = self._offers.keys
             if not offer:
                 return 0, False
@@ -647,6 +663,13 @@ class GpuckptConnector(KVConnectorBase_V1):
                     except Exception as exc:  # the capture fails; the step goes on
                         log.exception("gpuckpt: planning a capture failed")
                         self._answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
+            idle_awaiting = bool(self._awaiting) and not scheduler_output.total_num_scheduled_tokens
+            if idle_awaiting:
+                self._offered.clear()
+        if idle_awaiting:
+            # only requests that wait for their pages: sleep until the next part, not spin a core
+            # the restore's fetch needs
+            self._offered.wait(0.005)
         return meta
 
     def _still_cached(self, p: Pending) -> bool:
@@ -747,6 +770,7 @@ class GpuckptConnector(KVConnectorBase_V1):
     def _end_offer(self) -> None:
         """Withdraw every offered block and state (lock held); their page files go at the next step."""
         self._state_offer = {}
+        self._awaiting = set()
         self._retired.extend(self._offers.end())
 
     def _expire_offer(self) -> None:
@@ -756,6 +780,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             if files is not None:
                 log.info("gpuckpt: the restore offer expired (%d blocks)", n)
                 self._state_offer = {}
+                self._awaiting = set()
                 self._retired.extend(files)
         self._wake()  # an idle engine must step for the files to go
 
@@ -1077,7 +1102,11 @@ class GpuckptConnector(KVConnectorBase_V1):
         return w.reply
 
     def _cmd_offer(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``{"index", "requests", "ttl", "generation"}``: offer a page file's blocks and request states."""
+        """``{"index", "requests", "ttl", "generation", "awaiting", "ready", "await_s"}``: offer a page
+        file's blocks and request states. ``awaiting`` (client ids) are requests whose pages later
+        parts bring: they wait until a part names them ``ready``, or ``await_s`` pass without a
+        part. The reply's ``awaits`` says this worker holds them (a worker without it needs every
+        in-flight page offered before the requests are resubmitted)."""
         # {"index": page file or null, "requests": {client id: state}}; a
         # null index offers request state alone (a cold replay).
         keys: list[bytes] = []
@@ -1099,15 +1128,21 @@ class GpuckptConnector(KVConnectorBase_V1):
             if req.get("index"):
                 self._offers.add(str(req["index"]), keys)
             self._state_offer.update(states)
+            self._awaiting.update(str(c) for c in req.get("awaiting") or ())
+            self._awaiting.difference_update(str(c) for c in req.get("ready") or ())
+            if self._awaiting:
+                self._await_until = time.monotonic() + float(req.get("await_s", AWAIT_S))
             if ttl is not None:
                 self._offers.expire_after(float(ttl))
             generation = self._offers.generation
+        self._offered.set()
         return {
             "ok": True,
             "offered": len(keys),
             "requests": len(states),
             "rejected": rejected,
             "generation": generation,
+            "awaits": True,
         }
 
     def _cmd_keys(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -1168,6 +1203,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 "step": self._step,
                 "live": len(self._live),
                 "offered": len(self._offers.keys),
+                "awaiting": len(self._awaiting),
                 "tail_pages": len(self._tail_keys),
                 "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
                 "states_pending": len(self._state_offer),

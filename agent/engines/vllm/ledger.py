@@ -302,14 +302,22 @@ def request_states(
 
 
 def key_requests(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
-    """The ``keys`` command's requests (token ids, tokens of KV, cache salt): which pages each
-    resubmitted request reads, hashed by the new worker's block hasher."""
+    """The ``keys`` command's requests (token ids, tokens of KV, cache salt), each with its client
+    ``request_id``: which pages each resubmitted request reads, hashed by the new worker's block
+    hasher."""
     reqs = []
     for e in read(ledger):
         if e.get("lora"):
             continue  # its block hashes name the adapter's path, which the ledger does not carry
         toks = list(e["prompt_token_ids"]) + list(e["output_token_ids"])
-        reqs.append({"token_ids": toks, "kv_tokens": int(e["num_computed_tokens"]), "cache_salt": e["cache_salt"]})
+        reqs.append(
+            {
+                "request_id": e["client_request_id"],
+                "token_ids": toks,
+                "kv_tokens": int(e["num_computed_tokens"]),
+                "cache_salt": e["cache_salt"],
+            }
+        )
     return reqs
 
 
