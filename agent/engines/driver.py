@@ -826,10 +826,13 @@ def restore(
     worker that holds awaited requests (the offer's ``awaiting``; the vLLM
     connector does) runs each as soon as its own pages are offered, while
     later requests' pages still arrive. ``"together"``: the plan waits for
-    every in-flight page (so does ``"each"``, the default, with a worker
-    that cannot hold requests). On a worker that computes on the host's
-    CPU, requests running early take cores the fetch of the others needs:
-    ``docs/benchmarks.md`` has both measured. The prefix cache
+    every in-flight page (so does ``"each"`` with a worker that cannot hold
+    requests). The default is ``"each"``, but ``"together"`` for a worker
+    that computes on the host's CPU: there the requests running early take
+    the cores the fetch of the others needs (2 cores, 16 requests, medians
+    of three runs ÷ the whole fetch: the first request resumed at 0.24 with
+    ``"each"`` and 0.46 together, but the median request at 1.9 against
+    0.50; ``docs/benchmarks.md``). The prefix cache
     follows in page files of verified blocks offered as each is written
     (``plan.rest``; ``plan.wait_offered()`` waits for it; ``wait`` does so
     before returning), up to ``max_staging`` bytes of staging in all
@@ -939,7 +942,7 @@ def restore(
     index = str(w.index_path) if w is not None and n else None
     if w is not None and not n:
         staging.unlink_pair(w.index_path)
-    each = release != "together"
+    each = release == "each" or (release is None and desc.layout.get("device") != "cpu")
     try:
         reply = control.call(
             sock,

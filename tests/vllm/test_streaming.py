@@ -152,7 +152,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                 w.control_socket,
                 staging_dir=str(stage),
                 generate=w.client.generate,
-                release="each" if each else "together",
+                release="each" if each else None,  # a CPU worker's default: together
             )
             res["plan"] = plan
             res["returned_before_pages"] = plan.rest is not None and not plan.rest.inflight_done.is_set()
@@ -213,6 +213,8 @@ def test_the_streamed_checkpoint_is_whole(streamed: dict) -> None:
 def test_a_streaming_restore_resumes_in_flight_requests_first_token_exact(streamed: dict) -> None:
     b, m = streamed["b"], streamed["checkpoint"]
     assert b["plan"].warm, b["plan"].reasons
+    assert b["plan"].stats["release"] == "together", "a CPU worker's requests run once all their pages are in"
+    assert not b["returned_before_pages"]
     assert 0 < b["first_blocks"] < len(m.blocks) // 2, (b["first_blocks"], len(m.blocks))
     for r in b["plan"].requests:
         got = b["resumed"][r.request_id]
