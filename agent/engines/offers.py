@@ -18,12 +18,14 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["AWAIT_S", "OfferBook"]
+__all__ = ["AWAIT_S", "MAX_AWAIT_S", "OfferBook"]
 
 #: How long a streaming restore's requests wait for their pages with no part arriving before they
 #: go on without them (what is missing recomputes): an agent that died mid-restore holds no
 #: request for longer.
 AWAIT_S = 10.0
+#: ...and the most an agent may ask for
+MAX_AWAIT_S = 120.0
 
 
 class OfferBook:

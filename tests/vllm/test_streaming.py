@@ -175,6 +175,25 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             while list(stage.glob("restore-*")) and time.monotonic() < end:
                 time.sleep(0.05)
             res["stage_left"] = sorted(p.name for p in stage.glob("restore-*"))
+            if each:
+                # again, with the requests' pages never coming (until the requests are done): held
+                # requests go on without them after the offer's await_s, and still continue exactly
+                gate.clear()
+                mp.setattr(driver, "AWAIT_S", 2.0)
+                plan = driver.restore(
+                    repo, m.id, w.control_socket, staging_dir=str(stage), generate=w.client.generate, release="each"
+                )
+                got = {}
+                submit = threading.Thread(target=lambda: got.update(w.client.submit(plan.requests)))
+                submit.start()
+                submit.join(240)
+                res["stalled_done"] = not submit.is_alive()
+                res["stalled_awaiting"] = driver.stats(w.control_socket)["awaiting"]
+                gate.set()
+                submit.join(60)
+                res["stalled"] = (plan, got)
+                assert plan.wait_offered(120)
+                driver.withdraw(w.control_socket)
         return res
 
     def _canary_keys(sock: str, m) -> list[bytes]:  # type: ignore[no-untyped-def]
@@ -243,6 +262,16 @@ def test_released_each_a_request_waits_in_the_worker_for_its_own_pages(streamed:
         assert got.cached_tokens >= len(r.token_ids) - 32, (r.request_id, got.cached_tokens, len(r.token_ids))
     assert d["offered_total"] == len(m.blocks), d["rest"]
     assert d["stage_left"] == []
+
+
+def test_held_requests_go_on_without_pages_that_never_come(streamed: dict) -> None:
+    d = streamed["d"]
+    assert d["stalled_done"], "requests were held past the offer's await_s"
+    assert d["stalled_awaiting"] == 0
+    plan, got = d["stalled"]
+    assert plan.warm
+    for r in plan.requests:
+        assert list(r.output_token_ids) + list(got[r.request_id].token_ids) == streamed["reference"][r.request_id]
 
 
 def test_late_blocks_are_recomputed_and_continuations_stay_exact(streamed: dict) -> None:

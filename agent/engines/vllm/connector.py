@@ -139,7 +139,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent import fs
 from agent.engines import control, staging
-from agent.engines.offers import AWAIT_S, OfferBook
+from agent.engines.offers import AWAIT_S, MAX_AWAIT_S, OfferBook
 from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import (
     DEFAULT_COPY_PER_STEP,
@@ -362,7 +362,7 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._held: set[str] = set()
         # A streaming restore's requests whose pages are still on their way (client ids): they wait
         # (None from get_num_new_matched_tokens) until the agent says they are ready, the offer
-        # ends, or no part has come for _await_s (a dead agent never holds them for long).
+        # ends, or no part has come for the offer's await_s (a dead agent never holds them for long).
         self._awaiting: set[str] = set()
         self._await_until = 0.0
         self._offered = threading.Event()  # set by each offer: an engine idle on awaited requests wakes
@@ -1131,7 +1131,8 @@ class GpuckptConnector(KVConnectorBase_V1):
             self._awaiting.update(str(c) for c in req.get("awaiting") or ())
             self._awaiting.difference_update(str(c) for c in req.get("ready") or ())
             if self._awaiting:
-                self._await_until = time.monotonic() + float(req.get("await_s", AWAIT_S))
+                wait = min(max(0.0, float(req.get("await_s", AWAIT_S))), MAX_AWAIT_S)
+                self._await_until = time.monotonic() + wait
             if ttl is not None:
                 self._offers.expire_after(float(ttl))
             generation = self._offers.generation
