@@ -4,8 +4,9 @@ connector and the SGLang linker; the real engines exercise it in tests/vllm and 
 from __future__ import annotations
 
 import threading
+import time
 
-from agent.engines.offers import OfferBook
+from agent.engines.offers import MAX_AWAIT_S, OfferBook
 
 
 def test_a_later_part_of_an_ended_offer_is_refused() -> None:
@@ -46,3 +47,23 @@ def test_durable_keys_follow_the_agents_word() -> None:
     assert bad["ok"] is False
     assert "hex" in bad["error"]
     assert book.durable == {b"\xbb"}  # nothing applied from a bad request
+
+
+def test_awaited_requests_are_held_until_ready_the_wait_runs_out_or_the_offer_ends() -> None:
+    book = OfferBook(lambda: None)
+    book.admit(None)
+    book.expect(["r1", "r2", "r3"], [], await_s=60)
+    assert book.holds("r1")
+    assert book.holds("r2")
+    assert not book.holds("other")
+    book.expect([], ["r1"])  # a part completed r1
+    assert not book.holds("r1")
+    assert book.holds("r2")
+    book.expect([], [], await_s=0)  # no part for the whole wait: none waits any more
+    assert not book.holds("r2")
+    assert book.awaiting == set()
+    book.expect(["r4"], [], await_s=1e9)  # an agent cannot ask for more than MAX_AWAIT_S
+    assert book.holds("r4")
+    assert book._await_until - time.monotonic() <= MAX_AWAIT_S
+    book.end()  # withdrawn (or expired): nothing is held for an offer that is gone
+    assert not book.holds("r4")

@@ -515,12 +515,10 @@ def _first_keys(sock: Socket, m: Manifest) -> tuple[list[tuple[str, list[bytes]]
     return per_request, probe
 
 
-def _write_pages(
-    repo: Repository, m: Manifest, keys: list[bytes] | None, out: Staging, name: str, errors: list[BlockFailure]
-) -> tuple[staging.PageWriter, int]:
-    """Load and verify ``keys`` (None: every block) into page file ``name``; returns it committed."""
+def _page_writer(m: Manifest, out: Staging, name: str) -> staging.PageWriter:
+    """A restore page file ``name`` in ``out`` for checkpoint ``m``'s pages."""
     assert out.directory is not None
-    w = staging.PageWriter(
+    return staging.PageWriter(
         out.directory,
         name,
         dtype=m.layout["page_dtype"],
@@ -528,6 +526,13 @@ def _write_pages(
         layers=m.layout["page_layers"],
         trust=out.trust,
     )
+
+
+def _write_pages(
+    repo: Repository, m: Manifest, keys: list[bytes] | None, out: Staging, name: str, errors: list[BlockFailure]
+) -> tuple[staging.PageWriter, int]:
+    """Load and verify ``keys`` (None: every block) into page file ``name``; returns it committed."""
+    w = _page_writer(m, out, name)
     try:
         for lb in repo.load(m, keys=keys, errors=errors):
             w.write(lb.key, lb.data)
@@ -623,17 +628,8 @@ class _RestoreRest:
         self._go.set()
 
     def _writer(self) -> staging.PageWriter:
-        m, out = self._m, self._out
-        assert out.directory is not None
         self._seq += 1
-        return staging.PageWriter(
-            out.directory,
-            f"restore-{m.id}-{self._seq}",
-            dtype=m.layout["page_dtype"],
-            page_shape=m.layout["page_shape"],
-            layers=m.layout["page_layers"],
-            trust=out.trust,
-        )
+        return _page_writer(self._m, self._out, f"restore-{self._m.id}-{self._seq}")
 
     def _part(self, w: staging.PageWriter | None, ready: list[str], *, inflight: bool) -> None:
         """Commit and offer ``w`` (if it holds pages) naming ``ready``."""

@@ -14,7 +14,9 @@ TTL timer's thread) takes that lock before it calls :meth:`OfferBook.expired`.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +29,8 @@ AWAIT_S = 10.0
 #: ...and the most an agent may ask for
 MAX_AWAIT_S = 120.0
 
+log = logging.getLogger("gpuckpt.offers")
+
 
 class OfferBook:
     def __init__(self, on_expire: Callable[[], None]) -> None:
@@ -36,6 +40,9 @@ class OfferBook:
         self.files: set[str] = set()
         self.generation = 0  # one per restore offer; ends with it
         self.durable: set[bytes] = set()
+        #: a streaming restore's requests whose pages later parts bring (client ids); see :meth:`holds`
+        self.awaiting: set[str] = set()
+        self._await_until = 0.0
         self._on_expire = on_expire
         self._expiry: threading.Timer | None = None
 
@@ -59,6 +66,26 @@ class OfferBook:
             self.durable.update(keys)  # read from the repository: it holds them
         return len(keys)
 
+    def expect(self, awaiting: Iterable[Any], ready: Iterable[Any], await_s: Any = AWAIT_S) -> None:
+        """A part's word on the requests: ``awaiting`` wait for pages later parts bring, ``ready``
+        have all theirs now; those still waiting get ``await_s`` (at most :data:`MAX_AWAIT_S`)
+        more before they go on without them."""
+        self.awaiting.update(str(c) for c in awaiting)
+        self.awaiting.difference_update(str(c) for c in ready)
+        if self.awaiting:
+            self._await_until = time.monotonic() + min(max(0.0, float(await_s)), MAX_AWAIT_S)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether request ``request_id`` still waits for its pages. Once the wait ran out with no
+        part, none does any more: they go on with what was offered, and the rest recomputes."""
+        if request_id not in self.awaiting:
+            return False
+        if time.monotonic() < self._await_until:
+            return True
+        log.warning("gpuckpt: %d restored requests waited too long for their pages", len(self.awaiting))
+        self.awaiting = set()
+        return False
+
     def expire_after(self, ttl: float) -> None:
         """The offer ends ``ttl`` seconds from now (idle engine or not)."""
         if self._expiry is not None:
@@ -71,6 +98,7 @@ class OfferBook:
         """Withdraw every offered key; the page files to delete (once no load reads them)."""
         self.generation += 1  # later parts of a streaming restore are refused
         self.keys = {}
+        self.awaiting = set()
         files, self.files = sorted(self.files), set()
         if self._expiry is not None:
             self._expiry.cancel()

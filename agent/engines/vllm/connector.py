@@ -139,7 +139,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent import fs
 from agent.engines import control, staging
-from agent.engines.offers import AWAIT_S, MAX_AWAIT_S, OfferBook
+from agent.engines.offers import AWAIT_S, OfferBook
 from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import (
     DEFAULT_COPY_PER_STEP,
@@ -360,11 +360,9 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._hold = 0  # hold new requests until this many have arrived (see get_num_new_matched_tokens)
         self._hold_until = 0.0
         self._held: set[str] = set()
-        # A streaming restore's requests whose pages are still on their way (client ids): they wait
-        # (None from get_num_new_matched_tokens) until the agent says they are ready, the offer
-        # ends, or no part has come for the offer's await_s (a dead agent never holds them for long).
-        self._awaiting: set[str] = set()
-        self._await_until = 0.0
+        # A streaming restore's requests whose pages are still on their way (self._offers.awaiting)
+        # wait — None from get_num_new_matched_tokens — until the agent says they are ready, the
+        # offer ends, or no part has come for the offer's await_s (see OfferBook.holds).
         self._offered = threading.Event()  # set by each offer: an engine idle on awaited requests wakes
         # The capture in flight (one at a time): its consistent point is taken, its full blocks
         # follow chunk by chunk (see .capture). Control calls wait on _cond for its chunks.
@@ -510,11 +508,8 @@ class GpuckptConnector(KVConnectorBase_V1):
                 if len(self._held) < self._hold and time.monotonic() < self._hold_until:
                     return None, False
                 self._hold, self._held = 0, set()
-            if self._awaiting and client_id(request.request_id) in self._awaiting:
-                if time.monotonic() < self._await_until:
-                    return None, False
-                log.warning("gpuckpt: %d restored requests waited too long for their pages", len(self._awaiting))
-                self._awaiting = set()  # they go on with what was offered; the rest recomputes
+            if self._offers.awaiting and self._offers.holds(client_id(request.request_id)):
+                return None, False
             offer = self._offers.keys
             if not offer:
                 return 0, False
@@ -663,7 +658,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                     except Exception as exc:  # the capture fails; the step goes on
                         log.exception("gpuckpt: planning a capture failed")
                         self._answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
-            idle_awaiting = bool(self._awaiting) and not scheduler_output.total_num_scheduled_tokens
+            idle_awaiting = bool(self._offers.awaiting) and not scheduler_output.total_num_scheduled_tokens
             if idle_awaiting:
                 self._offered.clear()
         if idle_awaiting:
@@ -770,7 +765,6 @@ class GpuckptConnector(KVConnectorBase_V1):
     def _end_offer(self) -> None:
         """Withdraw every offered block and state (lock held); their page files go at the next step."""
         self._state_offer = {}
-        self._awaiting = set()
         self._retired.extend(self._offers.end())
 
     def _expire_offer(self) -> None:
@@ -780,7 +774,6 @@ class GpuckptConnector(KVConnectorBase_V1):
             if files is not None:
                 log.info("gpuckpt: the restore offer expired (%d blocks)", n)
                 self._state_offer = {}
-                self._awaiting = set()
                 self._retired.extend(files)
         self._wake()  # an idle engine must step for the files to go
 
@@ -1128,11 +1121,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             if req.get("index"):
                 self._offers.add(str(req["index"]), keys)
             self._state_offer.update(states)
-            self._awaiting.update(str(c) for c in req.get("awaiting") or ())
-            self._awaiting.difference_update(str(c) for c in req.get("ready") or ())
-            if self._awaiting:
-                wait = min(max(0.0, float(req.get("await_s", AWAIT_S))), MAX_AWAIT_S)
-                self._await_until = time.monotonic() + wait
+            self._offers.expect(req.get("awaiting") or (), req.get("ready") or (), req.get("await_s", AWAIT_S))
             if ttl is not None:
                 self._offers.expire_after(float(ttl))
             generation = self._offers.generation
@@ -1204,7 +1193,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 "step": self._step,
                 "live": len(self._live),
                 "offered": len(self._offers.keys),
-                "awaiting": len(self._awaiting),
+                "awaiting": len(self._offers.awaiting),
                 "tail_pages": len(self._tail_keys),
                 "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
                 "states_pending": len(self._state_offer),
