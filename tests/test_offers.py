@@ -67,3 +67,43 @@ def test_awaited_requests_are_held_until_ready_the_wait_runs_out_or_the_offer_en
     assert book._await_until - time.monotonic() <= MAX_AWAIT_S
     book.end()  # withdrawn (or expired): nothing is held for an offer that is gone
     assert not book.holds("r4")
+
+
+def test_a_request_waits_briefly_for_coming_pages_and_asks_for_them() -> None:
+    book = OfferBook(lambda: None)
+    book.admit(None)
+    book.add("/s/a.json", [b"\x01"])
+    book.expect_keys(["01", "02", "03", "04"], want_s=60)
+    assert book.coming == {b"\x02", b"\x03", b"\x04"}, "an offered key is not coming"
+    assert book.want("req-a", [b"\x03", b"\x04"])  # waits, and asks
+    assert book.want("req-b", [b"\x02"])
+    assert book.take_wanted() == [b"\x03", b"\x04", b"\x02"]  # in the order asked
+    assert book.take_wanted() == [], "asked once, taken once: a request still waiting asks again"
+    book.want("req-a", [b"\x03", b"\x04"])
+    book.add("/s/b.json", [b"\x03"])  # a part brought one of them
+    assert book.coming == {b"\x02", b"\x04"}
+    assert book.take_wanted() == [b"\x04"]
+    assert book.asked() == 2
+    book.expect_keys(["05"], want_s=0)
+    assert not book.want("req-c", [b"\x05"]), "no wait left: it recomputes"
+    book.expect_keys(["06"], want_s=1e9)
+    assert book.want_s == MAX_AWAIT_S  # an agent cannot ask for more
+    book.no_more()  # the rest is over: nothing is coming, nobody waits
+    assert book.coming == set()
+    assert book.asked() == 0
+
+
+def test_a_requests_wait_for_coming_pages_is_not_renewed_by_asking_again() -> None:
+    book = OfferBook(lambda: None)
+    book.admit(None)
+    book.expect_keys(["02"], want_s=0.05)
+    assert book.want("req", [b"\x02"])
+    book.take_wanted()
+    end = time.monotonic() + 0.05
+    while time.monotonic() < end:  # the wait's own clock, not a sleep racing it
+        time.sleep(0.01)
+    assert not book.want("req", [b"\x02"])
+    assert not book.want("req", [b"\x02"]), "asking again after the wait ran out does not renew it"
+    book.expect_keys(["02"])
+    book.end()  # withdrawn: nothing more comes
+    assert book.coming == set()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -35,7 +36,7 @@ from typing import Any, Literal
 from agent.engines import canary as canary_mod
 from agent.engines import control, ledgers, shards, staging
 from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
-from agent.engines.offers import AWAIT_S
+from agent.engines.offers import AWAIT_S, WANT_S
 from agent.fs import Trust
 from ckpt import (
     Block,
@@ -553,19 +554,23 @@ def _probe(canary: dict[str, Any], generate: canary_mod.Generate) -> tuple[bool,
     return ok, list(got), why, time.monotonic() - t
 
 
-def _offer_file(sock: Socket, w: staging.PageWriter | None, generation: int, ready: list[str] | None = None) -> int:
+def _offer_file(
+    sock: Socket, w: staging.PageWriter | None, generation: int, ready: list[str] | None = None, *, done: bool = False
+) -> dict[str, Any]:
     """Offer committed page file ``w`` (None: no pages, only ``ready``) as a later part of offer
-    ``generation``; ``ready`` are requests whose pages are all offered (or failed) now. Returns
-    the blocks the worker took. A refused part (the offer ended: the connector deleted it; or the
-    worker refused it) raises :class:`control.ControlError`, its file deleted either way."""
+    ``generation``; ``ready`` are requests whose pages are all offered (or failed) now, ``done``
+    says no part follows. Returns the worker's reply: ``offered`` (the blocks it took) and
+    ``wanted`` (hex keys requests wait on, when it says). A refused part (the offer ended: the
+    connector deleted it; or the worker refused it) raises :class:`control.ControlError`, its
+    file deleted either way."""
     index = str(w.index_path) if w is not None else None
+    extra = {"done": True} if done else {}
     try:
-        reply = control.call(sock, "offer", index=index, generation=generation, ready=ready or [])
+        return control.call(sock, "offer", index=index, generation=generation, ready=ready or [], **extra)
     except BaseException:
         if w is not None:
             staging.unlink_pair(w.index_path)  # refused: still ours to delete
         raise
-    return int(reply.get("offered", 0))
 
 
 class _RestoreRest:
@@ -578,10 +583,13 @@ class _RestoreRest:
     offered naming that request ``ready`` (a worker holds a resubmitted
     request until then — see the connector's ``awaiting``). Then, once
     ``go`` is set (the probe passed), the prefix cache: page files of
-    verified blocks offered one by one until every block is offered or the
-    staging bound is reached. Stops when the offer ends (withdrawn, expired:
+    verified blocks offered one by one (``keys``: those within the staging
+    bound). Blocks a worker's requests wait on (a reply's ``wanted``: a
+    returning conversation whose history has not arrived) go into the next
+    part, ahead of the rest. Stops when the offer ends (withdrawn, expired:
     the connector refuses a later part by its generation) or :meth:`stop`
-    is called.
+    is called; then, or once all is offered, tells the worker that nothing
+    more comes (a part with ``done``).
     """
 
     def __init__(
@@ -593,7 +601,7 @@ class _RestoreRest:
         keys: list[bytes],
         out: Staging,
         generation: int,
-        budget: int,
+        not_offered: int,
         go: threading.Event,
         each: bool = True,
     ) -> None:
@@ -603,14 +611,16 @@ class _RestoreRest:
             "failed_blocks": 0,
             "failures": [],
             "parts": 0,
-            "not_offered": 0,
+            "not_offered": not_offered,
             "inflight_blocks": 0,
             "inflight_parts": 0,
+            "wanted_blocks": 0,
         }
         self.inflight_done = threading.Event()  # every in-flight request's pages offered (or failed)
         self._repo, self._m, self._sock, self._out = repo, m, sock, out
-        self._keys, self._generation, self._budget = keys, generation, budget
+        self._keys, self._generation = keys, generation
         self._waiting = waiting
+        self._front: dict[bytes, None] = {}  # blocks a request waits on: the next part's first
         self._each = each
         self._go = go
         self._stopped = threading.Event()
@@ -643,7 +653,10 @@ class _RestoreRest:
                 w = None
         if w is None and not ready:
             return
-        self.offered += _offer_file(self._sock, w, self._generation, ready)
+        reply = _offer_file(self._sock, w, self._generation, ready)
+        self.offered += int(reply.get("offered", 0))
+        for k in reply.get("wanted") or ():
+            self._front[bytes.fromhex(k)] = None
         if n:
             self.stats["blocks"] += n
             self.stats["parts"] += 1
@@ -700,7 +713,7 @@ class _RestoreRest:
         self.stats["failures"] += _failures(errors)[:10]
 
     def _run(self) -> None:
-        m, keys, budget = self._m, self._keys, self._budget
+        m, keys = self._m, self._keys
         t0 = time.monotonic()
         page = max(1, m.blocks[0].raw_length if m.blocks else 1)
         per_part = max(1, RESTORE_CHUNK_BYTES // page)
@@ -722,19 +735,22 @@ class _RestoreRest:
             self._go.wait()  # the prefix cache once the probe passed
             if self._stopped.is_set():
                 return
-            allowed = max(0, budget // page)
-            if allowed < len(keys):
-                self.stats["not_offered"] = len(keys) - allowed
-                log.warning(
-                    "restore staging bound reached: the rest of the checkpoint is not offered",
-                    extra={"checkpoint": m.id, "not_offered": len(keys) - allowed, "bound": budget},
-                )
-                keys = keys[:allowed]
-            for i in range(0, len(keys), per_part):
+            pending = dict.fromkeys(keys)
+            while pending:
+                # blocks a request waits on first (the worker's word since the last part), then in order
+                front = [k for k in self._front if k in pending]
+                self._front = dict.fromkeys(front[per_part:])
+                front = front[:per_part]
+                self.stats["wanted_blocks"] += len(front)
+                chosen = set(front)
+                batch = front + [k for k in itertools.islice(pending, per_part + len(front)) if k not in chosen]
+                batch = batch[:per_part]
+                for k in batch:
+                    del pending[k]
                 errors: list[BlockFailure] = []
                 w: staging.PageWriter | None = self._writer()
                 try:
-                    for lb in self._repo.load(m, keys=keys[i : i + per_part], errors=errors):
+                    for lb in self._repo.load(m, keys=batch, errors=errors):
                         assert w is not None
                         if self._stopped.is_set():
                             return
@@ -754,6 +770,9 @@ class _RestoreRest:
         finally:
             self.stats["rest_s"] = time.monotonic() - t0
             self.inflight_done.set()
+            if "ended" not in self.stats:  # nothing more comes: no request waits for it
+                with contextlib.suppress(Exception):
+                    _offer_file(self._sock, None, self._generation, done=True)
             self._done.set()
 
 
@@ -939,6 +958,14 @@ def restore(
     if w is not None and not n:
         staging.unlink_pair(w.index_path)
     each = release == "each" or (release is None and desc.layout.get("device") != "cpu")
+    allowed = max(0, (budget - len(first) * page) // page)
+    not_offered = max(0, len(rest) - allowed)
+    if not_offered:
+        log.warning(
+            "restore staging bound reached: the rest of the checkpoint is not offered",
+            extra={"checkpoint": m.id, "not_offered": not_offered, "bound": budget},
+        )
+        rest = rest[:allowed]
     try:
         reply = control.call(
             sock,
@@ -948,6 +975,9 @@ def restore(
             ttl=offer_ttl,
             awaiting=[cid for cid, _ in waiting] if each else [],
             await_s=AWAIT_S,
+            # what the rest brings: a request that needs it waits for it, and asks for it first
+            coming=[k.hex() for k in rest],
+            want_s=WANT_S,
         )
     except BaseException:
         if index is not None:
@@ -962,8 +992,7 @@ def restore(
     go = threading.Event()
     tail = None
     if waiting or rest:
-        left = budget - len(first) * page
-        tail = _RestoreRest(repo, m, sock, waiting, rest, out, generation, left, go, each=each and holds)
+        tail = _RestoreRest(repo, m, sock, waiting, rest, out, generation, not_offered, go, each=each and holds)
     count()
     if not probing:
         go.set()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["AWAIT_S", "MAX_AWAIT_S", "OfferBook"]
+__all__ = ["AWAIT_S", "MAX_AWAIT_S", "WANT_S", "OfferBook"]
 
 #: How long a streaming restore's requests wait for their pages with no part arriving before they
 #: go on without them (what is missing recomputes): an agent that died mid-restore holds no
@@ -28,6 +28,10 @@ __all__ = ["AWAIT_S", "MAX_AWAIT_S", "OfferBook"]
 AWAIT_S = 10.0
 #: ...and the most an agent may ask for
 MAX_AWAIT_S = 120.0
+#: How long a request that matches pages the restore has yet to bring (a returning conversation
+#: whose history is still streaming) waits for them once it asked; then it recomputes what is
+#: not there. Short: the agent brings asked-for pages in its next part.
+WANT_S = 2.0
 
 log = logging.getLogger("gpuckpt.offers")
 
@@ -43,6 +47,13 @@ class OfferBook:
         #: a streaming restore's requests whose pages later parts bring (client ids); see :meth:`holds`
         self.awaiting: set[str] = set()
         self._await_until = 0.0
+        #: keys the restore's later parts will bring (the rest of the prefix cache): a request that
+        #: matches them waits for them (:meth:`want`) rather than recompute them
+        self.coming: set[bytes] = set()
+        #: coming keys requests wait on, in the order asked: the agent brings them next (:meth:`take_wanted`)
+        self.wanted: dict[bytes, None] = {}
+        self._wanting: dict[str, float] = {}  # request id → until when it waits
+        self.want_s = WANT_S
         self._on_expire = on_expire
         self._expiry: threading.Timer | None = None
 
@@ -64,7 +75,43 @@ class OfferBook:
                 new[k] = path
             self.keys = new
             self.durable.update(keys)  # read from the repository: it holds them
+            if self.coming:
+                self.coming.difference_update(keys)
+                for k in keys:
+                    self.wanted.pop(k, None)
         return len(keys)
+
+    def expect_keys(self, coming: Iterable[Any], want_s: Any = WANT_S) -> None:
+        """The first part's word on the rest: hex keys later parts bring (see :meth:`want`)."""
+        self.coming = {bytes.fromhex(str(k)) for k in coming} - self.keys.keys()
+        self.want_s = min(max(0.0, float(want_s)), MAX_AWAIT_S)
+
+    def want(self, request_id: str, keys: list[bytes]) -> bool:
+        """Whether request ``request_id``, whose next pages ``keys`` are coming, waits for them: yes
+        for :attr:`want_s` from its first ask (``keys`` are then asked for), no after that."""
+        now = time.monotonic()
+        until = self._wanting.setdefault(request_id, now + self.want_s)
+        if now >= until:
+            return False
+        for k in keys:
+            self.wanted[k] = None
+        return True
+
+    def asked(self) -> int:
+        """Requests that asked for coming pages (since the rest began)."""
+        return len(self._wanting)
+
+    def take_wanted(self) -> list[bytes]:
+        """The asked-for keys still coming (then forgotten: a request still waiting asks again).
+        A request's wait is not renewed by asking again: its first ask set it (kept until the
+        rest is over, one float per request that asked)."""
+        out = [k for k in self.wanted if k in self.coming]
+        self.wanted = {}
+        return out
+
+    def no_more(self) -> None:
+        """The rest is over (all offered, or it stopped): nothing more is coming, no request waits."""
+        self.coming, self.wanted, self._wanting = set(), {}, {}
 
     def expect(self, awaiting: Iterable[Any], ready: Iterable[Any], await_s: Any = AWAIT_S) -> None:
         """A part's word on the requests: ``awaiting`` wait for pages later parts bring, ``ready``
@@ -99,6 +146,7 @@ class OfferBook:
         self.generation += 1  # later parts of a streaming restore are refused
         self.keys = {}
         self.awaiting = set()
+        self.no_more()
         files, self.files = sorted(self.files), set()
         if self._expiry is not None:
             self._expiry.cancel()

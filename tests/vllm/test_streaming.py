@@ -18,7 +18,10 @@ the stream (they arrive late): the requests recompute what was not there in
 time and still continue token-exact. Worker D restores releasing each
 request as its own pages arrive, with those pages held back until the
 requests are in the worker: it holds them, and they resume from their
-restored pages. No restore page file outlives a withdraw.
+restored pages. Worker E restores with a returning conversation's pages at
+the back of the rest, in small parts, the rest held back until that
+conversation is in the worker: it waits for its pages, asks for them, and
+they come next. No restore page file outlives a withdraw.
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         a.wait_ready()
         probe = canary.record(a.client.generate)
         turn1 = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in convs.items()}
-        page = page_bytes(driver.describe(a.control_socket).layout)
+        layout = driver.describe(a.control_socket).layout
+        page = page_bytes(layout)
+        out["block_size"] = layout["block_size"]
         bound = 18 * page  # chunks of 3 pages: the cache is ~100 pages
         out["bound"], out["page"] = bound, page
         results: dict = {}
@@ -122,6 +127,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         for t in threads:
             t.join(300)
         out["reference"] = {f"cmpl-{k}-0": results[k].token_ids for k in live}  # by the server's request ids
+        out["turn1_c3"] = turn1["c3"]
         nxt = convs["c3"] + turn1["c3"] + toks(8)
         out["next_prompt"] = nxt
         out["next_reference"] = a.client.complete(nxt, TURN, stream=False).token_ids
@@ -202,9 +208,57 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         have = {b.key for b in m.blocks}
         return [bytes.fromhex(k) for k in got if k in have]
 
+    def restore_on_demand(name: str) -> dict:
+        """The returning conversation's pages last in the rest, small parts, and the rest held back
+        until that conversation is in the worker: it asks for its pages, which come next."""
+        res: dict = {}
+        nxt = out["next_prompt"]
+        mine = [bytes.fromhex(k) for k in out["conv_keys"][3]]
+        with serve_worker(tiny_llama, tmp, name) as w, pytest.MonkeyPatch.context() as mp:
+            w.wait_ready()
+            mp.setattr(driver, "RESTORE_CHUNK_BYTES", 4 * out["page"])
+            mp.setattr(driver, "WANT_S", 120.0)  # what the test checks is the order, not a race with the wait
+            rest_cls = driver._RestoreRest
+
+            class Last(rest_cls):  # type: ignore[misc, valid-type]
+                def __init__(self, repo, m, sock, waiting, keys, *a, **kw):  # type: ignore[no-untyped-def]
+                    keys = [k for k in keys if k not in mine] + [k for k in keys if k in mine]
+                    super().__init__(repo, m, sock, waiting, keys, *a, **kw)
+
+            mp.setattr(driver, "_RestoreRest", Last)
+            gate, parts = threading.Event(), []
+            offer = driver._offer_file
+
+            def gated(sock, w_, generation, ready=None, **kw):  # type: ignore[no-untyped-def]
+                if w_ is not None and not ready:  # a part of the prefix cache
+                    assert gate.wait(300)
+                    parts.append(set(w_.keys))
+                return offer(sock, w_, generation, ready, **kw)
+
+            mp.setattr(driver, "_offer_file", gated)
+            plan = driver.restore(repo, m.id, w.control_socket, generate=w.client.generate)
+            got: dict = {}
+            turn = threading.Thread(target=lambda: got.update(next=w.client.complete(nxt, TURN, stream=False)))
+            turn.start()
+            end = time.monotonic() + 120
+            while driver.stats(w.control_socket)["asked"] < 1 and time.monotonic() < end:
+                time.sleep(0.05)
+            res["asked"] = driver.stats(w.control_socket)["asked"]
+            gate.set()
+            turn.join(300)
+            assert plan.wait_offered(120)
+            # the full pages it reads (its history's last page is a tail: not asked for, it recomputes)
+            full = (len(out["convs"]["c3"]) + len(out["turn1_c3"]) - 1) // out["block_size"]
+            res["plan"], res["next"], res["parts"], res["mine"] = plan, got.get("next"), parts, set(mine[:full])
+            res["rest"] = dict(plan.rest.stats) if plan.rest is not None else {}
+            res["coming_after"] = driver.stats(w.control_socket)["coming"]
+            driver.withdraw(w.control_socket)
+        return res
+
     out["b"] = restore_into("b")
     out["c"] = restore_into("c", late=True)
     out["d"] = restore_into("d", each=True)
+    out["e"] = restore_on_demand("e")
     return out
 
 
@@ -283,3 +337,22 @@ def test_late_blocks_are_recomputed_and_continuations_stay_exact(streamed: dict)
         assert list(r.output_token_ids) + list(got.token_ids) == streamed["reference"][r.request_id]
     assert c["next"].token_ids == streamed["next_reference"]
     assert c["stage_left"] == []
+
+
+def test_a_returning_conversation_asks_for_its_pages_and_they_come_next(streamed: dict) -> None:
+    """Its pages are the last of the rest and the rest is held back until it is in the worker: it
+    waits for them rather than recompute them, asks for them, and the next parts bring them, ahead
+    of the rest; its turn is the uninterrupted one."""
+    e = streamed["e"]
+    assert e["plan"].warm, e["plan"].reasons
+    assert e["asked"] >= 1, "the returning conversation did not wait for its coming pages"
+    assert e["next"] is not None
+    assert e["next"].token_ids == streamed["next_reference"]
+    assert e["next"].cached_tokens >= len(streamed["next_prompt"]) - 40, e["next"].cached_tokens
+    assert e["rest"]["wanted_blocks"] > 0, e["rest"]
+    parts, mine = e["parts"], e["mine"]
+    assert len(parts) > 5, len(parts)
+    last_mine = max(i for i, p in enumerate(parts) if p & mine)
+    assert last_mine < len(parts) // 2, (last_mine, len(parts), "its pages did not come ahead of the rest")
+    assert e["rest"]["blocks"] + e["plan"].stats["first_blocks"] == e["plan"].offered_total
+    assert e["coming_after"] == 0, "the worker still expects pages after the rest ended"

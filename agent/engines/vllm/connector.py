@@ -45,7 +45,10 @@ engine — then the rest, each later part under the first offer's
 ``get_num_new_matched_tokens`` reports the longest run of offered blocks
 after the local prefix hit as an external hit (leaving at least one token to
 compute), and the worker half loads those pages synchronously in
-``start_load_kv``, before the forward.
+``start_load_kv``, before the forward. The first part names what the rest
+brings (``coming``): a request whose next pages are coming waits for them
+(briefly: ``want_s``) and asks for them — the next part's reply lists them
+``wanted``, and the agent brings them in the part after, ahead of the rest.
 
 Incremental capture: the scheduler half keeps the keys the repository
 holds (``{"cmd": "durable", "add": [...]}`` from the agent after each
@@ -139,7 +142,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent import fs
 from agent.engines import control, staging
-from agent.engines.offers import AWAIT_S, OfferBook
+from agent.engines.offers import AWAIT_S, WANT_S, OfferBook
 from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import (
     DEFAULT_COPY_PER_STEP,
@@ -495,6 +498,12 @@ class GpuckptConnector(KVConnectorBase_V1):
         offer's ``awaiting``, until a later part names it ``ready``) waits the
         same way, so it resumes from its restored pages as soon as they are in,
         not from a recompute, while requests whose pages arrived already run.
+        So does any request whose next pages the rest of the restore has yet to
+        bring (the offer's ``coming``: a returning conversation whose history
+        is still streaming), for at most the offer's ``want_s``: it asks for
+        them (the next part's reply names them ``wanted``, and the agent brings
+        them next) and goes on with what is there once they are in or its wait
+        ran out.
 
         While a hold is set (``{"cmd": "hold", "requests": n}``) new requests
         wait (``None``: the scheduler skips them this step) until ``n`` have
@@ -524,6 +533,16 @@ class GpuckptConnector(KVConnectorBase_V1):
                 keys.append(bytes(hashes[i]))
                 i += 1
                 end = i * bs
+            coming = self._offers.coming
+            if coming and i < len(hashes) and (i + 1) * bs <= n and bytes(hashes[i]) in coming:
+                # its next pages are in the checkpoint but not here yet (the rest still streams):
+                # ask for them and wait, briefly, rather than recompute them
+                want, j = [], i
+                while j < len(hashes) and (j + 1) * bs <= n and bytes(hashes[j]) in coming:
+                    want.append(bytes(hashes[j]))
+                    j += 1
+                if self._offers.want(request.request_id, want):
+                    return None, False
             if end < n and i == end // bs and i <= len(hashes):
                 tokens = request.all_token_ids
                 parent = bytes(hashes[i - 1]) if i else b""
@@ -658,7 +677,9 @@ class GpuckptConnector(KVConnectorBase_V1):
                     except Exception as exc:  # the capture fails; the step goes on
                         log.exception("gpuckpt: planning a capture failed")
                         self._answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
-            idle_awaiting = bool(self._offers.awaiting) and not scheduler_output.total_num_scheduled_tokens
+            idle_awaiting = (
+                bool(self._offers.awaiting or self._offers.wanted) and not scheduler_output.total_num_scheduled_tokens
+            )
             if idle_awaiting:
                 self._offered.clear()
         if idle_awaiting:
@@ -1095,11 +1116,15 @@ class GpuckptConnector(KVConnectorBase_V1):
         return w.reply
 
     def _cmd_offer(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``{"index", "requests", "ttl", "generation", "awaiting", "ready", "await_s"}``: offer a page
-        file's blocks and request states. ``awaiting`` (client ids) are requests whose pages later
-        parts bring: they wait until a part names them ``ready``, or ``await_s`` pass without a
-        part. The reply's ``awaits`` says this worker holds them (a worker without it needs every
-        in-flight page offered before the requests are resubmitted)."""
+        """``{"index", "requests", "ttl", "generation", "awaiting", "ready", "await_s", "coming",
+        "want_s", "done"}``: offer a page file's blocks and request states. ``awaiting`` (client
+        ids) are requests whose pages later parts bring: they wait until a part names them
+        ``ready``, or ``await_s`` pass without a part. The reply's ``awaits`` says this worker
+        holds them (a worker without it needs every in-flight page offered before the requests
+        are resubmitted). ``coming`` (the first part; hex keys) are the pages the rest of the
+        restore brings: a request that needs them waits up to ``want_s`` for them, and each
+        reply's ``wanted`` names those asked for since the last part; ``done`` (a last part):
+        nothing more comes."""
         # {"index": page file or null, "requests": {client id: state}}; a
         # null index offers request state alone (a cold replay).
         keys: list[bytes] = []
@@ -1122,6 +1147,11 @@ class GpuckptConnector(KVConnectorBase_V1):
                 self._offers.add(str(req["index"]), keys)
             self._state_offer.update(states)
             self._offers.expect(req.get("awaiting") or (), req.get("ready") or (), req.get("await_s", AWAIT_S))
+            if req.get("coming") is not None:
+                self._offers.expect_keys(req["coming"], req.get("want_s", WANT_S))
+            if req.get("done"):
+                self._offers.no_more()
+            wanted = [k.hex() for k in self._offers.take_wanted()]
             if ttl is not None:
                 self._offers.expire_after(float(ttl))
             generation = self._offers.generation
@@ -1133,6 +1163,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             "rejected": rejected,
             "generation": generation,
             "awaits": True,
+            "wanted": wanted,
         }
 
     def _cmd_keys(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -1194,6 +1225,8 @@ class GpuckptConnector(KVConnectorBase_V1):
                 "live": len(self._live),
                 "offered": len(self._offers.keys),
                 "awaiting": len(self._offers.awaiting),
+                "asked": self._offers.asked(),
+                "coming": len(self._offers.coming),
                 "tail_pages": len(self._tail_keys),
                 "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
                 "states_pending": len(self._state_offer),
