@@ -555,16 +555,24 @@ def _probe(canary: dict[str, Any], generate: canary_mod.Generate) -> tuple[bool,
 
 
 def _offer_file(
-    sock: Socket, w: staging.PageWriter | None, generation: int, ready: list[str] | None = None, *, done: bool = False
+    sock: Socket,
+    w: staging.PageWriter | None,
+    generation: int,
+    ready: list[str] | None = None,
+    *,
+    done: bool = False,
+    coming: list[bytes] | None = None,
 ) -> dict[str, Any]:
-    """Offer committed page file ``w`` (None: no pages, only ``ready``) as a later part of offer
-    ``generation``; ``ready`` are requests whose pages are all offered (or failed) now, ``done``
-    says no part follows. Returns the worker's reply: ``offered`` (the blocks it took) and
-    ``wanted`` (hex keys requests wait on, when it says). A refused part (the offer ended: the
-    connector deleted it; or the worker refused it) raises :class:`control.ControlError`, its
-    file deleted either way."""
+    """Offer committed page file ``w`` (None: no pages) as a later part of offer ``generation``;
+    ``ready`` are requests whose pages are all offered (or failed) now, ``coming`` the pages later
+    parts bring, ``done`` says no part follows. Returns the worker's reply: ``offered`` (the
+    blocks it took) and ``wanted`` (hex keys requests wait on, when it says). A refused part (the
+    offer ended: the connector deleted it; or the worker refused it) raises
+    :class:`control.ControlError`, its file deleted either way."""
     index = str(w.index_path) if w is not None else None
-    extra = {"done": True} if done else {}
+    extra: dict[str, Any] = {"done": True} if done else {}
+    if coming is not None:
+        extra.update(coming=[k.hex() for k in coming], want_s=WANT_S)
     try:
         return control.call(sock, "offer", index=index, generation=generation, ready=ready or [], **extra)
     except BaseException:
@@ -582,9 +590,9 @@ class _RestoreRest:
     which is
     offered naming that request ``ready`` (a worker holds a resubmitted
     request until then — see the connector's ``awaiting``). Then, once
-    ``go`` is set (the probe passed), the prefix cache: page files of
-    verified blocks offered one by one (``keys``: those within the staging
-    bound). Blocks a worker's requests wait on (a reply's ``wanted``: a
+    ``go`` is set (the probe passed), the prefix cache: the worker is told
+    which blocks come (``coming``), then page files of verified blocks are
+    offered one by one (``keys``: those within the staging bound). Blocks a worker's requests wait on (a reply's ``wanted``: a
     returning conversation whose history has not arrived) go into the next
     part, ahead of the rest. Stops when the offer ends (withdrawn, expired:
     the connector refuses a later part by its generation) or :meth:`stop`
@@ -732,6 +740,10 @@ class _RestoreRest:
                     i, wave = i + wave, wave * 2
                 self.stats["inflight_s"] = time.monotonic() - t0
             self.inflight_done.set()
+            if keys:
+                # what the rest brings (here, off the in-flight requests' path): a request that needs
+                # it waits for it and asks for it
+                _offer_file(self._sock, None, self._generation, coming=keys)
             self._go.wait()  # the prefix cache once the probe passed
             if self._stopped.is_set():
                 return
@@ -975,9 +987,6 @@ def restore(
             ttl=offer_ttl,
             awaiting=[cid for cid, _ in waiting] if each else [],
             await_s=AWAIT_S,
-            # what the rest brings: a request that needs it waits for it, and asks for it first
-            coming=[k.hex() for k in rest],
-            want_s=WANT_S,
         )
     except BaseException:
         if index is not None:

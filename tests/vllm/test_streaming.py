@@ -237,6 +237,9 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
             mp.setattr(driver, "_offer_file", gated)
             plan = driver.restore(repo, m.id, w.control_socket, generate=w.client.generate)
+            end = time.monotonic() + 120
+            while not driver.stats(w.control_socket)["coming"] and time.monotonic() < end:
+                time.sleep(0.05)  # the worker knows what the rest brings (sent behind the in-flight pages)
             got: dict = {}
             turn = threading.Thread(target=lambda: got.update(next=w.client.complete(nxt, TURN, stream=False)))
             turn.start()

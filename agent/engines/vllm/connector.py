@@ -45,10 +45,11 @@ engine — then the rest, each later part under the first offer's
 ``get_num_new_matched_tokens`` reports the longest run of offered blocks
 after the local prefix hit as an external hit (leaving at least one token to
 compute), and the worker half loads those pages synchronously in
-``start_load_kv``, before the forward. The first part names what the rest
-brings (``coming``): a request whose next pages are coming waits for them
-(briefly: ``want_s``) and asks for them — the next part's reply lists them
-``wanted``, and the agent brings them in the part after, ahead of the rest.
+``start_load_kv``, before the forward. Behind the in-flight pages the agent
+names what the rest brings (``coming``): a request whose next pages are
+coming waits for them (briefly: ``want_s``) and asks for them — the next
+part's reply lists them ``wanted``, and the agent brings them in the part
+after, ahead of the rest.
 
 Incremental capture: the scheduler half keeps the keys the repository
 holds (``{"cmd": "durable", "add": [...]}`` from the agent after each
@@ -1121,8 +1122,8 @@ class GpuckptConnector(KVConnectorBase_V1):
         ids) are requests whose pages later parts bring: they wait until a part names them
         ``ready``, or ``await_s`` pass without a part. The reply's ``awaits`` says this worker
         holds them (a worker without it needs every in-flight page offered before the requests
-        are resubmitted). ``coming`` (the first part; hex keys) are the pages the rest of the
-        restore brings: a request that needs them waits up to ``want_s`` for them, and each
+        are resubmitted). ``coming`` (hex keys) are the pages the rest of the restore
+        brings: a request that needs them waits up to ``want_s`` for them, and each
         reply's ``wanted`` names those asked for since the last part; ``done`` (a last part):
         nothing more comes."""
         # {"index": page file or null, "requests": {client id: state}}; a
