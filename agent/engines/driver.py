@@ -479,6 +479,10 @@ Release = Literal["each", "together"]
 
 #: pages per restore page file of the rest of a streaming restore (each offered once verified)
 RESTORE_CHUNK_BYTES = 64 << 20
+#: the rest of a streaming restore (the prefix cache) starts once the resubmitted requests have
+#: each produced a token, or this long after the probe passed if they have not: its reads would
+#: otherwise take the host's cores (and the worker's bus) from their first steps
+REST_AFTER_S = 2.0
 
 
 def default_restore_staging(directory: Path) -> int:
@@ -592,9 +596,10 @@ class _RestoreRest:
     request until then — see the connector's ``awaiting``). Then, once
     ``go`` is set (the probe passed), the prefix cache: the worker is told
     which blocks come (``coming``), then page files of verified blocks are
-    offered one by one (``keys``: those within the staging bound). Blocks a worker's requests wait on (a reply's ``wanted``: a
-    returning conversation whose history has not arrived) go into the next
-    part, ahead of the rest. Stops when the offer ends (withdrawn, expired:
+    offered one by one (``keys``: those within the staging bound). Blocks
+    the worker's requests wait on (a reply's ``wanted``: a returning
+    conversation whose history has not arrived) go into the next part, ahead
+    of the rest. Stops when the offer ends (withdrawn, expired:
     the connector refuses a later part by its generation) or :meth:`stop`
     is called; then, or once all is offered, tells the worker that nothing
     more comes (a part with ``done``).
@@ -612,6 +617,7 @@ class _RestoreRest:
         not_offered: int,
         go: threading.Event,
         each: bool = True,
+        resubmitted: int = 0,
     ) -> None:
         self.offered = 0
         self.stats: dict[str, Any] = {
@@ -630,6 +636,7 @@ class _RestoreRest:
         self._waiting = waiting
         self._front: dict[bytes, None] = {}  # blocks a request waits on: the next part's first
         self._each = each
+        self._resubmitted = resubmitted
         self._go = go
         self._stopped = threading.Event()
         self._seq = 0
@@ -713,6 +720,16 @@ class _RestoreRest:
         finally:
             self._close(w, errors)
 
+    def _after_resumed(self) -> None:
+        """Wait (at most :data:`REST_AFTER_S`) until the resubmitted requests each produced a token."""
+        t = time.monotonic()
+        when = {"live": self._resubmitted, "min_outputs": 1}
+        try:
+            control.call(self._sock, "wait", io_timeout=REST_AFTER_S + 5, timeout=REST_AFTER_S, when=when)
+        except control.ControlError as exc:  # not in time (not resubmitted yet, or some failed): go on
+            self.stats["rest_wait"] = str(exc)[:200]
+        self.stats["rest_waited_s"] = time.monotonic() - t
+
     def _close(self, w: staging.PageWriter | None, errors: list[BlockFailure]) -> None:
         """After a load: an unoffered page file deleted, its failed blocks counted."""
         if w is not None:
@@ -747,6 +764,8 @@ class _RestoreRest:
             self._go.wait()  # the prefix cache once the probe passed
             if self._stopped.is_set():
                 return
+            if keys and self._resubmitted:
+                self._after_resumed()
             pending = dict.fromkeys(keys)
             while pending:
                 # blocks a request waits on first (the worker's word since the last part), then in order
@@ -1001,7 +1020,19 @@ def restore(
     go = threading.Event()
     tail = None
     if waiting or rest:
-        tail = _RestoreRest(repo, m, sock, waiting, rest, out, generation, not_offered, go, each=each and holds)
+        tail = _RestoreRest(
+            repo,
+            m,
+            sock,
+            waiting,
+            rest,
+            out,
+            generation,
+            not_offered,
+            go,
+            each=each and holds,
+            resubmitted=len(requests),
+        )
     count()
     if not probing:
         go.set()

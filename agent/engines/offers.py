@@ -82,7 +82,8 @@ class OfferBook:
         return len(keys)
 
     def expect_keys(self, coming: Iterable[Any], want_s: Any = WANT_S) -> None:
-        """The first part's word on the rest: hex keys later parts bring (see :meth:`want`)."""
+        """The agent's word on the rest of the restore: the hex keys its later parts bring (see
+        :meth:`want`); a request waits at most ``want_s`` (bounded by :data:`MAX_AWAIT_S`) for them."""
         self.coming = {bytes.fromhex(str(k)) for k in coming} - self.keys.keys()
         self.want_s = min(max(0.0, float(want_s)), MAX_AWAIT_S)
 
