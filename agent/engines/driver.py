@@ -876,15 +876,19 @@ def restore(
     requests). The default is ``"each"``, but ``"together"`` for a worker
     that computes on the host's CPU: there the requests running early take
     the cores the fetch of the others needs (2 cores, 16 requests, medians
-    of three runs ÷ the whole fetch: the first request resumed at 0.24 with
-    ``"each"`` and 0.46 together, but the median request at 1.9 against
-    0.50; ``docs/benchmarks.md``). The prefix cache
-    follows in page files of verified blocks offered as each is written
-    (``plan.rest``; ``plan.wait_offered()`` waits for it; ``wait`` does so
-    before returning), up to ``max_staging`` bytes of staging in all
-    (default: half the staging filesystem's free space); blocks past it are
-    not offered and recompute when asked for. A block that fails
-    verification is never offered: whoever needs it recomputes it.
+    of three runs ÷ the whole fetch: the first request resumed at 0.22 with
+    ``"each"`` and 0.35 together, but the median request at 1.2 against
+    0.42; ``docs/benchmarks.md``). The prefix cache follows once the
+    resubmitted requests have each produced a token (at most
+    :data:`REST_AFTER_S` after the probe), in page files of verified blocks
+    offered as each is written (``plan.rest``; ``plan.wait_offered()`` waits
+    for it; ``wait`` does so before returning), up to ``max_staging`` bytes
+    of staging in all (default: half the staging filesystem's free space);
+    blocks past it are not offered and recompute when asked for. A request
+    that needs blocks still to come waits for them briefly and the worker
+    asks for them: they come in the next part (see :class:`_RestoreRest`).
+    A block that fails verification is never offered: whoever needs it
+    recomputes it.
 
     The page files go to ``staging_dir``; the connector owns each once
     offered and deletes them when the offer ends — :func:`withdraw`, or
