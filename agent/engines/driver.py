@@ -723,9 +723,8 @@ class _RestoreRest:
     def _after_resumed(self) -> None:
         """Wait (at most :data:`REST_AFTER_S`) until the resubmitted requests each produced a token."""
         t = time.monotonic()
-        when = {"live": self._resubmitted, "min_outputs": 1}
         try:
-            control.call(self._sock, "wait", io_timeout=REST_AFTER_S + 5, timeout=REST_AFTER_S, when=when)
+            wait_until(self._sock, live=self._resubmitted, min_outputs=1, timeout=REST_AFTER_S)
         except control.ControlError as exc:  # not in time (not resubmitted yet, or some failed): go on
             self.stats["rest_wait"] = str(exc)[:200]
         self.stats["rest_waited_s"] = time.monotonic() - t
@@ -768,16 +767,17 @@ class _RestoreRest:
                 self._after_resumed()
             pending = dict.fromkeys(keys)
             while pending:
-                # blocks a request waits on first (the worker's word since the last part), then in order
-                front = [k for k in self._front if k in pending]
-                self._front = dict.fromkeys(front[per_part:])
-                front = front[:per_part]
-                self.stats["wanted_blocks"] += len(front)
-                chosen = set(front)
-                batch = front + [k for k in itertools.islice(pending, per_part + len(front)) if k not in chosen]
-                batch = batch[:per_part]
+                # blocks a request waits on first (the worker's word since the last part; what does not
+                # fit it names again: a waiting request asks at every step), then in order
+                batch = [k for k in self._front if k in pending][:per_part]
+                self._front = {}
+                self.stats["wanted_blocks"] += len(batch)
                 for k in batch:
                     del pending[k]
+                more = list(itertools.islice(pending, per_part - len(batch)))
+                for k in more:
+                    del pending[k]
+                batch += more
                 errors: list[BlockFailure] = []
                 w: staging.PageWriter | None = self._writer()
                 try:
@@ -801,7 +801,7 @@ class _RestoreRest:
         finally:
             self.stats["rest_s"] = time.monotonic() - t0
             self.inflight_done.set()
-            if "ended" not in self.stats:  # nothing more comes: no request waits for it
+            if keys and "ended" not in self.stats:  # told what comes: now nothing more does
                 with contextlib.suppress(Exception):
                     _offer_file(self._sock, None, self._generation, done=True)
             self._done.set()

@@ -36,6 +36,11 @@ WANT_S = 2.0
 log = logging.getLogger("gpuckpt.offers")
 
 
+def _bounded(seconds: Any) -> float:
+    """An agent's wait, in ``[0, MAX_AWAIT_S]``."""
+    return min(max(0.0, float(seconds)), MAX_AWAIT_S)
+
+
 class OfferBook:
     def __init__(self, on_expire: Callable[[], None]) -> None:
         #: key → page file index path; replaced, never mutated, so a reader without the lock
@@ -85,7 +90,7 @@ class OfferBook:
         """The agent's word on the rest of the restore: the hex keys its later parts bring (see
         :meth:`want`); a request waits at most ``want_s`` (bounded by :data:`MAX_AWAIT_S`) for them."""
         self.coming = {bytes.fromhex(str(k)) for k in coming} - self.keys.keys()
-        self.want_s = min(max(0.0, float(want_s)), MAX_AWAIT_S)
+        self.want_s = _bounded(want_s)
 
     def want(self, request_id: str, keys: list[bytes]) -> bool:
         """Whether request ``request_id``, whose next pages ``keys`` are coming, waits for them: yes
@@ -121,7 +126,7 @@ class OfferBook:
         self.awaiting.update(str(c) for c in awaiting)
         self.awaiting.difference_update(str(c) for c in ready)
         if self.awaiting:
-            self._await_until = time.monotonic() + min(max(0.0, float(await_s)), MAX_AWAIT_S)
+            self._await_until = time.monotonic() + _bounded(await_s)
 
     def holds(self, request_id: str) -> bool:
         """Whether request ``request_id`` still waits for its pages. Once the wait ran out with no

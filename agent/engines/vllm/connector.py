@@ -128,7 +128,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -527,22 +527,25 @@ class GpuckptConnector(KVConnectorBase_V1):
             n = request.num_tokens
             hashes = request.block_hashes
             start = num_computed_tokens
-            i = start // bs
-            keys: list[bytes] = []
-            end = start
-            while i < len(hashes) and (i + 1) * bs <= n and bytes(hashes[i]) in offer:
-                keys.append(bytes(hashes[i]))
-                i += 1
-                end = i * bs
+
+            def run(first: int, have: Container[bytes]) -> list[bytes]:
+                """The keys of the full blocks from ``first`` on, while each is in ``have``."""
+                out = []
+                for h in hashes[first : n // bs]:
+                    if bytes(h) not in have:
+                        break
+                    out.append(bytes(h))
+                return out
+
+            keys = run(start // bs, offer)
+            i = start // bs + len(keys)
+            end = i * bs if keys else start
             coming = self._offers.coming
-            if coming and i < len(hashes) and (i + 1) * bs <= n and bytes(hashes[i]) in coming:
+            if coming:
                 # its next pages are in the checkpoint but not here yet (the rest still streams):
                 # ask for them and wait, briefly, rather than recompute them
-                want, j = [], i
-                while j < len(hashes) and (j + 1) * bs <= n and bytes(hashes[j]) in coming:
-                    want.append(bytes(hashes[j]))
-                    j += 1
-                if self._offers.want(request.request_id, want):
+                want = run(i, coming)
+                if want and self._offers.want(request.request_id, want):
                     return None, False
             if end < n and i == end // bs and i <= len(hashes):
                 tokens = request.all_token_ids
