@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from agent.engines import shards
+from agent.engines.base import token_digest
 from agent.engines.vllm.ledger import RunnerFacts, inexact_reasons, make_ledger, resubmissions
 
 
@@ -45,11 +46,12 @@ def test_penalties_are_exact_on_the_v1_runner_and_reported_elsewhere() -> None:
     assert "async" in inexact_reasons(e, RunnerFacts("v1", True))[0]
 
 
-def test_an_unknown_grammar_backend_and_parallel_choices_are_reported() -> None:
+def test_an_unknown_grammar_backend_is_reported_and_parallel_choices_are_exact() -> None:
     e = entry(structured_outputs={"regex": "a+", "backend": "my-backend"})
     assert inexact_reasons(e, RunnerFacts()) == ["structured outputs: grammar backend 'my-backend' cannot be advanced"]
-    e = entry(request_id="1_cmpl-a-0-12345678", sampling={"n": 1})
-    assert "parallel-sampling" in inexact_reasons(e, RunnerFacts())[0]
+    # each choice is its own engine request with its own seed and generator, carried like any other
+    e = entry(request_id="1_cmpl-a-0-12345678", sampling={"n": 1, "seed": 8})
+    assert inexact_reasons(e, RunnerFacts()) == []
 
 
 def test_resubmissions_carry_budget_constraint_and_judgement() -> None:
@@ -167,7 +169,10 @@ def test_a_corrupt_generator_state_replays_that_request_cold_and_nothing_else() 
     m = SimpleNamespace(ledger=make_ledger(entries, step=1, block_size=32))
     states, problems = _request_states(m, warm=True)  # type: ignore[arg-type]
     assert set(states) == {"pen"}
-    assert states["pen"] == {"prior_outputs": [4, 5]}
+    assert states["pen"]["prior_outputs"] == [4, 5]
+    # claimed by identity and tokens: the ledger id or the resubmission's, with prompt + outputs
+    assert states["pen"]["ids"] == ["cmpl-pen-0", "pen"]
+    assert states["pen"]["match"] == token_digest([1, 2, 3, 4, 5])
     assert list(problems) == ["seeded"]
     assert "generator state is corrupt" in problems["seeded"][0]
     reqs = {r.request_id: r for r in _annotate(resubmissions(m.ledger), problems)}

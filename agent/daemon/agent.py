@@ -35,6 +35,7 @@ from agent.daemon.config import AgentConfig
 from agent.daemon.metrics import Metrics
 from agent.daemon.notify import Notifier
 from agent.engines import ledgers
+from agent.engines.base import token_digest
 from ckpt import EngineMismatch, GpuckptError, KeySource, ObjectNotFound, OperationAborted, Policy, Repository
 from ckpt.save import SaveProgress
 
@@ -585,7 +586,9 @@ class Agent:
         log.info("restore offered the rest", extra={"checkpoint": rep.get("checkpoint"), **plan.rest.stats})
 
     def _resubmit(self, client: Any, requests: list[Any], rep: dict[str, Any]) -> None:
-        """Resubmit the ledger; keep each output under its original id for a gateway to collect."""
+        """Resubmit the ledger and record a bounded summary of each continuation (its length and
+        digest, not its tokens: the worker keeps those for the client's retry, bounded there).
+        A request whose carried state the worker never applied is reported a cold replay."""
         rep["resubmission"] = {"state": "running", "requests": len(requests)}
         try:
             outs = client.submit(requests)
@@ -595,19 +598,44 @@ class Agent:
             return
         finally:
             client.close()
-        results = {
-            r.request_id: {
-                "output_token_ids": r.output_token_ids + outs[r.request_id].token_ids,
-                "new_token_ids": outs[r.request_id].token_ids,
-                "finish_reason": outs[r.request_id].finish_reason,
-                "cached_tokens": outs[r.request_id].cached_tokens,
+        unapplied = self._unapplied_states()
+        results = {}
+        for r in requests:
+            out = outs[r.request_id]
+            reasons = [*r.reasons, *unapplied.get(r.request_id, [])]
+            whole = r.output_token_ids + out.token_ids
+            results[r.request_id] = {
+                "output_tokens": len(whole),
+                "output_digest": token_digest(whole),
+                "new_tokens": len(out.token_ids),
+                "finish_reason": out.finish_reason,
+                "cached_tokens": out.cached_tokens,
                 "prompt_tokens": len(r.token_ids),
+                "exact": not reasons,
+                "reasons": reasons,
             }
-            for r in requests
-        }
+            if reasons and r.exact:
+                log.warning("resubmitted request replayed cold", extra={"request": r.request_id, "reasons": reasons})
         rep["resubmission"] = {"state": "done", "requests": len(requests)}
         rep["results"] = results
         log.info("resubmitted requests finished", extra={"requests": len(requests)})
+
+    def _unapplied_states(self) -> dict[str, list[str]]:
+        """The worker's word on carried states no request claimed (by ledger id)."""
+        try:
+            st = self.engine.stats()
+        except Exception as exc:  # the worker may be gone: nothing to add, and say so
+            log.warning("could not ask the worker which request states were applied", extra={"error": str(exc)})
+            return {}
+        out: dict[str, list[str]] = {}
+        for cid in st.get("states_waiting") or ():
+            why = (st.get("states_refused") or {}).get(cid)
+            out[cid] = [f"its carried state was never applied{f' ({why})' if why else ''}: replayed cold"]
+        for cid, applied in (st.get("states_applied") or {}).items():
+            for a in applied:
+                if "failed" in str(a):
+                    out.setdefault(cid, []).append(f"{a}: replayed cold")
+        return out
 
     # -- status -------------------------------------------------------------------------------
 

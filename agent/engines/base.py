@@ -29,6 +29,7 @@ Contracts:
 from __future__ import annotations
 
 import abc
+import hashlib
 import os
 import shlex
 import shutil
@@ -95,6 +96,10 @@ class Resubmission:
     request cannot continue from the exact next token (``reasons`` say why):
     it is then a cold replay of that request, whatever the plan's warmth.
     ``sampling`` may hold ``structured_outputs`` (the constraint, as JSON).
+    ``api``: the API-level facts the worker's server recorded for the original
+    request (endpoint, body and tenant digests), which let the restored
+    worker hand the continuation to the client's retry; ``None`` when the
+    request did not come through such a server.
     """
 
     request_id: str
@@ -106,6 +111,13 @@ class Resubmission:
     cache_salt: str | None = None
     exact: bool = True
     reasons: tuple[str, ...] = ()
+    api: dict[str, Any] | None = None
+
+
+def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:
+    """A token sequence's identity (SHA-256): what a restored request's state is matched on besides
+    its id, and what a restore report keeps of an output instead of the tokens themselves."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

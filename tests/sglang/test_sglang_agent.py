@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from agent.engines import driver
+from agent.engines.base import token_digest
 from ckpt import Repository
 from tests.sglang.conftest import Start
 from tests.vllm.test_agent_e2e import cli, start_agent, wait_for, write_config
@@ -139,7 +140,7 @@ def test_a_new_agent_restores_the_sglang_server_warm_and_the_requests_finish_exa
     assert set(results) == set(e2e["prompts"])
     for k, ref in e2e["reference"].items():
         r = results[k]
-        assert r["output_token_ids"] == ref, f"{k} diverged after the restore"
+        assert (r["output_tokens"], r["output_digest"]) == (len(ref), token_digest(ref)), f"{k} diverged"
         # restored up to the last whole page: at most one page recomputed
         assert r["cached_tokens"] >= r["prompt_tokens"] - 16, r
     assert e2e["status_b"]["restore"]["outcome"] == "warm"

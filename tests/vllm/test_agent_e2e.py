@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from agent.engines import driver, staging
+from agent.engines.base import token_digest
 from agent.engines.sglang.serve import SglangProcess
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
@@ -258,7 +259,7 @@ def test_a_new_agent_restores_warm_and_the_requests_finish_with_the_expected_tok
     assert set(results) == {f"cmpl-{k}-0" for k in e2e["prompts"]}
     for k, ref in e2e["reference"].items():
         r = results[f"cmpl-{k}-0"]
-        assert r["output_token_ids"] == ref, f"{k} diverged after the restore"
+        assert (r["output_tokens"], r["output_digest"]) == (len(ref), token_digest(ref)), f"{k} diverged"
         assert r["cached_tokens"] == r["prompt_tokens"] - 1, r
     assert e2e["status_b"]["restore"]["outcome"] == "warm"
     assert e2e["agent_b_exit"] == 0

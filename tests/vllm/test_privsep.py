@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from agent.engines import driver
+from agent.engines.base import token_digest
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
 from ckpt.keys import KeySource, generate_key
@@ -306,5 +307,5 @@ def test_the_restore_is_warm_and_token_exact_across_the_accounts(two_accounts: d
     results = rep["results"]
     for k, ref in two_accounts["reference"].items():
         r = results[f"cmpl-{k}-0"]
-        assert r["output_token_ids"] == ref, f"{k} diverged after the restore"
+        assert (r["output_tokens"], r["output_digest"]) == (len(ref), token_digest(ref)), f"{k} diverged"
         assert r["cached_tokens"] == r["prompt_tokens"] - 1, r

@@ -143,6 +143,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent import fs
 from agent.engines import control, staging
+from agent.engines.base import token_digest
 from agent.engines.offers import AWAIT_S, WANT_S, OfferBook
 from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import (
@@ -307,6 +308,11 @@ def _check_states(raw: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[
                 v = st.get(k)
                 if v is not None and not (isinstance(v, list) and all(isinstance(t, int) for t in v)):
                     raise ValueError(f"{k} is not a list of token ids")
+            ids, match = st.get("ids"), st.get("match")
+            if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+                raise ValueError("ids is not a list of request ids")
+            if match is not None and not (isinstance(match, str) and len(match) == 64):
+                raise ValueError("match is not a token digest")
             ok[str(cid)] = st
         except Exception as exc:
             rejected[str(cid)] = f"{type(exc).__name__}: {exc}"
@@ -390,6 +396,10 @@ class GpuckptConnector(KVConnectorBase_V1):
         self._tails_inflight: set[str] = set()
         # client request id → {"generator_state", "prior_outputs", "grammar_outputs"} (see the offer)
         self._state_offer: dict[str, dict[str, Any]] = {}
+        # another client id a state's request may run under (the API server's id for the agent's
+        # resubmission) → the ledger's client id: holds, counts and states all use the latter
+        self._state_alias: dict[str, str] = {}
+        self._states_refused: dict[str, str] = {}  # ledger client id → why a claimant was refused
         self._gen_loads: list[tuple[str, str]] = []
         self._prior_loads: list[tuple[str, list[int]]] = []
         self._states_applied: dict[str, list[str]] = {}  # client id → what was applied
@@ -518,7 +528,7 @@ class GpuckptConnector(KVConnectorBase_V1):
                 if len(self._held) < self._hold and time.monotonic() < self._hold_until:
                     return None, False
                 self._hold, self._held = 0, set()
-            if self._offers.awaiting and self._offers.holds(client_id(request.request_id)):
+            if self._offers.awaiting and self._offers.holds(self._ledger_id(request.request_id)):
                 return None, False
             offer = self._offers.keys
             if not offer:
@@ -590,19 +600,35 @@ class GpuckptConnector(KVConnectorBase_V1):
             for b in range(first, last + 1):
                 key = keys[b - first]
                 self._loads.append((ids[b], self._offers.keys[key], key.hex()))
-            rid = client_id(request.request_id)
+            rid = self._ledger_id(request.request_id)
             self._restored[rid] = self._restored.get(rid, 0) + num_external_tokens
+
+    def _ledger_id(self, request_id: str) -> str:
+        """The ledger's client id of an engine request (through the offered states' aliases)."""
+        cid = client_id(request_id)
+        return self._state_alias.get(cid, cid)
 
     def _apply_request_state(self, request: Request) -> None:
         """A restored request's first schedule: hand over what it needs beyond its tokens (lock held).
 
-        Each part fails alone (logged, counted in ``stats``): a state that cannot
-        be applied leaves that request as a plain resubmission.
+        The state goes to the request that continues the ledger entry: its id
+        (or the resubmission's alias) *and* its prompt, which must be the
+        entry's prompt + outputs (``match``). Another request under the same
+        id — a client's retry, someone reusing the id — gets nothing, and the
+        state stays for the resubmission. Each part fails alone (logged, in
+        ``stats``): a state that cannot be applied leaves that request as a
+        plain resubmission, which the restore reports as a cold replay.
         """
-        cid = client_id(request.request_id)
-        st = self._state_offer.pop(cid, None)
+        cid = self._ledger_id(request.request_id)
+        st = self._state_offer.get(cid)
         if not st:
             return
+        want = st.get("match")
+        if want is not None and token_digest(list(request.prompt_token_ids or ())) != want:
+            self._states_refused[cid] = f"{request.request_id}: its tokens are not the checkpointed request's"
+            log.warning("gpuckpt: request %s has the id of a restored request but not its tokens", request.request_id)
+            return
+        del self._state_offer[cid]
         applied = self._states_applied.setdefault(cid, [])
         g = st.get("generator_state")
         if g:
@@ -789,7 +815,7 @@ class GpuckptConnector(KVConnectorBase_V1):
 
     def _end_offer(self) -> None:
         """Withdraw every offered block and state (lock held); their page files go at the next step."""
-        self._state_offer = {}
+        self._state_offer, self._state_alias = {}, {}
         self._retired.extend(self._offers.end())
 
     def _expire_offer(self) -> None:
@@ -798,7 +824,7 @@ class GpuckptConnector(KVConnectorBase_V1):
             files = self._offers.expired()
             if files is not None:
                 log.info("gpuckpt: the restore offer expired (%d blocks)", n)
-                self._state_offer = {}
+                self._state_offer, self._state_alias = {}, {}
                 self._retired.extend(files)
         self._wake()  # an idle engine must step for the files to go
 
@@ -1150,6 +1176,10 @@ class GpuckptConnector(KVConnectorBase_V1):
             if req.get("index"):
                 self._offers.add(str(req["index"]), keys)
             self._state_offer.update(states)
+            for cid, st in states.items():
+                for alt in st.get("ids") or ():
+                    if alt != cid:
+                        self._state_alias[str(alt)] = cid
             self._offers.expect(req.get("awaiting") or (), req.get("ready") or (), req.get("await_s", AWAIT_S))
             if req.get("coming") is not None:
                 self._offers.expect_keys(req["coming"], req.get("want_s", WANT_S))
@@ -1234,7 +1264,9 @@ class GpuckptConnector(KVConnectorBase_V1):
                 "tail_pages": len(self._tail_keys),
                 "generators_pending": sum(1 for v in self._state_offer.values() if v.get("generator_state")),
                 "states_pending": len(self._state_offer),
+                "states_waiting": sorted(self._state_offer),
                 "states_applied": {k: list(v) for k, v in self._states_applied.items()},
+                "states_refused": dict(self._states_refused),
                 "hook_failures": dict(self._hook_failures),
                 "captures_pending": len(self._capture_requests),
                 "stream": None if self._stream is None else {"seq": self._stream.seq, **self._stream.summary()},

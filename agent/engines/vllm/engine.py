@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from agent.engines.base import Engine, script_python
-from agent.engines.vllm.serve import ServeClient, kv_transfer_config
+from agent.engines.vllm.middleware import token_path
+from agent.engines.vllm.serve import ServeClient, kv_transfer_config, with_middleware
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
@@ -19,7 +20,7 @@ class VllmEngine(Engine):
     default_port: ClassVar[int] = 8000
 
     def client(self, url: str) -> ServeClient:
-        return ServeClient(url)
+        return ServeClient(url, token_file=token_path(str(self.socket)), trust=self.staging.trust)
 
     @classmethod
     def runs(cls, command: list[str]) -> bool:
@@ -30,8 +31,9 @@ class VllmEngine(Engine):
     def worker_command(
         cls, command: list[str], *, control_socket: str, staging_dir: str | None, shared_group: str | None
     ) -> list[str]:
-        """``vllm serve MODEL ARGS`` (or the API server module) with the connector, prefix caching
-        and cached-token counts on."""
+        """``vllm serve MODEL ARGS`` (or the API server module) with the connector, gpuckpt's
+        middleware (restored continuations reach the clients' retries), prefix caching and
+        cached-token counts on."""
         argv = _api_server_argv(command)
         if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
             raise ValueError("the command already has --kv-transfer-config; launch sets it")
@@ -40,7 +42,7 @@ class VllmEngine(Engine):
         for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details"):
             if flag not in argv:
                 argv.append(flag)
-        return argv
+        return with_middleware(argv)
 
 
 def _api_server_argv(cmd: list[str]) -> list[str]:

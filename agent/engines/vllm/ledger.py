@@ -1,6 +1,6 @@
 """The request ledger: in-flight vLLM requests as JSON, and back to resubmissions.
 
-Schema ``gpuckpt-vllm-ledger`` version 2 (version 1 is still read): ``data``
+Schema ``gpuckpt-vllm-ledger`` version 3 (versions 1 and 2 are still read): ``data``
 is ``{"step": int, "block_size": int, "requests": [entry, …]}`` with one
 entry per request the scheduler held at the captured step boundary::
 
@@ -17,7 +17,12 @@ entry per request the scheduler held at the captured step boundary::
      "arrival_time": float,
      "generator_state": base64 of torch.Generator.get_state() — seeded
                         requests on the V1 model runner only, added by the
-                        connector after the copy}
+                        connector after the copy,
+     "api": {"endpoint": "chat"|"completions", "body": sha256 of the
+             request body, "tenant": sha256 of its Authorization header,
+             "n": choices, "logprobs": bool} | absent — version 3: the
+             API-level facts gpuckpt's middleware (:mod:`.middleware`)
+             recorded, so a client's retry can be matched to this entry}
 
 **What continues exactly** (``exact: true``): a request resubmitted as
 prompt + outputs continues from the exact next token when everything that
@@ -35,7 +40,16 @@ decides its next token is carried:
   request's outputs in the sampler's view (V1 runner, synchronous scheduling);
   the repetition penalty covers prompt and outputs alike and needs nothing;
 - structured outputs: the grammar is compiled anew and advanced by the
-  earlier outputs before the first restored token is constrained.
+  earlier outputs before the first restored token is constrained;
+- parallel sampling (``n > 1``): each choice is an engine request of its own
+  with its own seed (the parent's + its index) and generator, carried as any
+  seeded request.
+
+A request's state is applied only to the request that continues it: the
+same ledger id (or the resubmission's id, :func:`resubmitted_id`) *and* a
+prompt equal to the entry's prompt + outputs (:func:`token_digest`). A state
+that no such request claimed is reported by the restore, and the request
+said to be a cold replay.
 
 Anything else is recorded with ``exact: false`` and the reasons; a restore
 resubmits such a request all the same (its KV is correct) and reports it as
@@ -51,17 +65,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from agent.engines.base import Resubmission
+from agent.engines.base import Resubmission, token_digest
 from ckpt import Ledger
 from ckpt.errors import FormatError
 
 SCHEMA = "gpuckpt-vllm-ledger"
-VERSION = 2
-READABLE = (1, 2)
+VERSION = 3
+READABLE = (1, 2, 3)
 
 # Public SamplingParams fields that are plain JSON (structured outputs are
 # carried apart, see STRUCTURED_FIELDS).
@@ -119,7 +134,29 @@ STRUCTURED_FIELDS = (
 #: outputs (vLLM's ``StructuredOutputGrammar.accept_tokens``).
 GRAMMAR_BACKENDS = ("xgrammar", "guidance", "outlines", "lm-format-enforcer")
 
-_PARALLEL_CHILD = re.compile(r"^\d+_")
+#: the key under which gpuckpt's middleware hands a request's API-level facts to the engine
+#: (the body's ``vllm_xargs``, which become ``SamplingParams.extra_args``)
+API_XARG = "gpuckpt_api"
+
+
+def resubmitted_id(cid: str) -> str:
+    """The client id under which ``vllm serve`` runs the agent's resubmission of ``cid`` when no
+    gpuckpt middleware renames it: ``/v1/completions`` with ``X-Request-Id`` from
+    :func:`agent.engines.vllm.serve.header_request_id`."""
+    m = re.match(r"^cmpl-(?P<base>.+)-0$", cid)
+    return cid if m else f"cmpl-{cid}-0"
+
+
+def api_facts(sp: Any) -> dict[str, Any] | None:
+    """The API-level facts the middleware recorded for a request (``None``: it came another way)."""
+    raw = (getattr(sp, "extra_args", None) or {}).get(API_XARG)
+    if not isinstance(raw, str):
+        return None
+    try:
+        facts = json.loads(raw)
+    except ValueError:
+        return None
+    return facts if isinstance(facts, dict) else None
 
 
 @dataclass(frozen=True)
@@ -172,8 +209,6 @@ def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
     if sampling.get("seed") is not None and runner.model_runner == "v1" and runner.async_scheduling:
         # the generator is read a sample ahead of the outputs the ledger knows
         reasons.append("seeded sampling on model runner v1 with async scheduling: the sampler state runs ahead")
-    if _PARALLEL_CHILD.match(entry["request_id"]) and sampling.get("n", 1) == 1:
-        reasons.append("a parallel-sampling (n > 1) choice: resubmitted as a request of its own")
     return reasons
 
 
@@ -200,6 +235,9 @@ def request_entry(req: Any, kv_tokens: int, runner: RunnerFacts = RunnerFacts())
         "priority": int(req.priority),
         "arrival_time": float(req.arrival_time),
     }
+    api = api_facts(sp)
+    if api is not None:
+        entry["api"] = api
     if req.prompt_token_ids is None:
         entry["inexact_reasons"] = ["prompt embeddings are not carried by the ledger"]
     else:
@@ -259,6 +297,7 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 cache_salt=e["cache_salt"],
                 exact=not reasons,
                 reasons=tuple(reasons),
+                api=e.get("api"),
             )
         )
     return out
@@ -297,6 +336,10 @@ def request_states(
                 except (ValueError, binascii.Error) as exc:
                     problems.setdefault(cid, []).append(f"seeded sampling: the generator state is corrupt ({exc})")
         if st:
+            # matched on identity and tokens: the resubmission (under this id, or the id vllm serve
+            # gives it) whose prompt is this entry's prompt + outputs — never a retry under the id alone
+            st["ids"] = sorted({cid, resubmitted_id(cid)})
+            st["match"] = token_digest(list(e["prompt_token_ids"]) + outs)
             states[cid] = st
     return states, problems
 

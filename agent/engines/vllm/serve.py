@@ -10,9 +10,15 @@ serve-specific; what differs is how requests get back into the engine:
 * **Request ids.** The server turns a completion's id into
   ``cmpl-<X-Request-Id>-<choice>`` and the engine appends 8 random
   characters; the ledger records ``cmpl-<X-Request-Id>-<choice>`` as the
-  client id. :func:`header_request_id` inverts that, so a resubmitted request
-  carries the same client id inside the engine (which is how a seeded
-  request's sampler state finds it) and a gateway can match it.
+  client id. :func:`header_request_id` inverts that for completions; a chat
+  completion's ``chatcmpl-<id>`` (or a parallel choice's ``<i>_…``) has no
+  completions form, and its resubmission runs as ``cmpl-<id>-0``, which the
+  connector knows as that entry's alias (``ledger.resubmitted_id``). With
+  gpuckpt's middleware on the server (:mod:`.middleware`, which ``launch``
+  and :func:`serve_command` add) the resubmission runs under the ledger's
+  own id instead and its continuation is kept for the client's retry. Either
+  way a carried state (generator, earlier outputs, grammar) goes only to the
+  request whose id *and* tokens are the entry's.
 * **Token ids in, token ids out.** Resubmissions send the prompt as token ids
   (``prompt: [int, ...]``) and ask for ``return_token_ids``; nothing is
   re-tokenized, so a model without a tokenizer (``--skip-tokenizer-init``)
@@ -31,6 +37,7 @@ serve`` runs.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -44,8 +51,11 @@ import httpx
 from agent.engines.base import Resubmission
 from agent.engines.serving import Completion, ServeError, WorkerProcess, check_response
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
+from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER, token_path
 
 CONNECTOR = "GpuckptConnector"
+#: vLLM's ``--middleware`` that keeps restored continuations for the clients' retries
+MIDDLEWARE = "agent.engines.vllm.middleware.GpuckptMiddleware"
 
 # The ledger's sampling fields all have a completions-body field of the same
 # name; "n" is not sent (each ledger entry is one choice, resubmitted alone).
@@ -84,8 +94,10 @@ def serve_command(
     Prefix caching is on (a checkpoint holds the prefix cache) and prompt
     token details are reported (cached-token counts); ``args`` go last, so a
     caller can override anything. ``kv_config`` replaces gpuckpt's
-    ``--kv-transfer-config`` (the benchmark runs vLLM's own connectors).
+    ``--kv-transfer-config`` (the benchmark runs vLLM's own connectors; it then
+    gets no gpuckpt middleware either).
     """
+    middleware = [] if kv_config is not None and kv_config.get("kv_connector") != CONNECTOR else with_middleware([])
     return [
         python,
         "-m",
@@ -100,8 +112,17 @@ def serve_command(
         "--enable-prompt-tokens-details",
         "--kv-transfer-config",
         json.dumps(kv_config or kv_transfer_config(control_socket, staging_dir)),
+        *middleware,
         *args,
     ]
+
+
+def with_middleware(argv: list[str]) -> list[str]:
+    """``argv`` with gpuckpt's middleware (:mod:`agent.engines.vllm.middleware`) among its
+    ``--middleware`` flags, added once."""
+    if MIDDLEWARE in argv or f"--middleware={MIDDLEWARE}" in argv:
+        return argv
+    return [*argv, "--middleware", MIDDLEWARE]
 
 
 def header_request_id(client_request_id: str) -> str:
@@ -109,7 +130,7 @@ def header_request_id(client_request_id: str) -> str:
 
     ``cmpl-abc-0`` → ``abc``. Ids of any other shape (an offline ``LLM``'s,
     a chat completion's) are sent as they are; the request then runs under
-    ``cmpl-<id>-0``, and a seeded request's sampler state does not reach it.
+    ``cmpl-<id>-0``, the alias under which the connector hands it its state.
     """
     m = _CMPL_ID.match(client_request_id)
     return m.group("base") if m and m.group("choice") == "0" else client_request_id
@@ -131,10 +152,16 @@ class ServeClient:
         api_key: str | None = None,
         timeout: float = 600.0,
         transport: httpx.BaseTransport | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        trust: Any = None,
     ) -> None:
+        """``token_file``: the worker's resubmission token (beside its control socket, written by
+        gpuckpt's middleware; read when :meth:`submit` first needs it, checked like every file a
+        worker hands the agent, ``trust`` saying whose it may be)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
         self._model = model
+        self._token_file, self._trust = token_file, trust
 
     def close(self) -> None:
         self._http.close()
@@ -182,6 +209,7 @@ class ServeClient:
         priority: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
         stream: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> Completion:
         """One completion of ``prompt_token_ids``; ``request_id`` becomes ``X-Request-Id``.
 
@@ -202,17 +230,18 @@ class ServeClient:
         if priority:
             body["priority"] = priority
         rid = request_id or f"gpuckpt-{uuid.uuid4().hex}"
+        headers = {"X-Request-Id": rid, **(headers or {})}
         out = Completion(rid)
         t0 = time.monotonic()
         if not stream:
             body.pop("stream_options")
             body["stream"] = False
-            r = self._http.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+            r = self._http.post("/v1/completions", json=body, headers=headers)
             check_response(r)
             self._take(out, r.json(), t0, on_tokens)
             out.first_token_s = None  # not observable without streaming
         else:
-            with self._http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
+            with self._http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                 if r.status_code != 200:
                     r.read()
                     check_response(r)
@@ -252,15 +281,49 @@ class ServeClient:
         c = self.complete(prompt_ids, {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}, stream=False)
         return c.token_ids
 
+    def token(self) -> str | None:
+        """The worker's resubmission token (``None``: no token file, e.g. no gpuckpt middleware)."""
+        if self._token_file is None:
+            return None
+        from agent import fs
+
+        try:
+            fd = fs.open_checked(self._token_file, directory=None, trust=self._trust or fs.Trust.of())
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(256).decode("ascii", "replace").strip() or None
+
+    def expect(self, requests: Sequence[Resubmission], token: str, wait_s: float = 60.0) -> int:
+        """Tell the worker's middleware these requests are about to be resubmitted: their clients'
+        retries wait for the continuations instead of starting anew. Returns how many it expects."""
+        body = {"requests": [{"id": r.request_id, "n": (r.api or {}).get("n", 1)} for r in requests], "wait_s": wait_s}
+        r = self._http.post(EXPECT_PATH, json=body, headers={TOKEN_HEADER: token})
+        check_response(r)
+        return int(r.json().get("expected", 0))
+
     def submit(self, requests: Iterable[Resubmission], *, max_concurrency: int = 64) -> dict[str, Completion]:
         """Resubmit a restored ledger; returns each request's completion under its original id.
 
         The completions hold only the new tokens; a request's whole output is
-        ``r.output_token_ids + result[r.request_id].token_ids``.
+        ``r.output_token_ids + result[r.request_id].token_ids``. With gpuckpt's
+        middleware on the worker (its token file readable), each runs under
+        its ledger id and its continuation is kept there for the client's
+        retry (:mod:`agent.engines.vllm.middleware`).
         """
         reqs = list(requests)
         if not reqs:
             return {}
+        token = self.token()
+        if token is not None:
+            self.expect(reqs, token)
+
+        def extra(r: Resubmission) -> dict[str, str] | None:
+            if token is None:
+                return None
+            info = {"id": r.request_id, "api": r.api, "prompt_len": r.num_prompt_tokens}
+            return {RESUBMIT_HEADER: json.dumps(info, separators=(",", ":")), TOKEN_HEADER: token}
+
         with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:
             futs = {
                 r.request_id: pool.submit(
@@ -270,6 +333,7 @@ class ServeClient:
                     request_id=header_request_id(r.request_id),
                     cache_salt=r.cache_salt,
                     priority=r.priority,
+                    headers=extra(r),
                 )
                 for r in reqs
             }
@@ -302,8 +366,6 @@ class ServeProcess(WorkerProcess):
     ) -> None:
         """``prefix``: argv run before the worker's (e.g. ``setpriv`` to run it as its own account);
         ``inherit_env=False``: the worker gets ``env`` alone, nothing of this process's environment."""
-        import os
-
         self.staging_dir = staging_dir
         cmd = serve_command(
             model, control_socket, host=host, port=port, staging_dir=staging_dir, args=args, kv_config=kv_config
@@ -314,7 +376,7 @@ class ServeProcess(WorkerProcess):
             url=url,
             control_socket=control_socket,
             log_path=log_path,
-            client=ServeClient(url),
+            client=ServeClient(url, token_file=token_path(control_socket)),
             env={**(os.environ if inherit_env else {}), **(env or {})},
             needs_socket=kv_config is None
             or bool((kv_config.get("kv_connector_extra_config") or {}).get("control_socket")),

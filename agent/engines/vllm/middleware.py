@@ -1,0 +1,723 @@
+"""The answer reaches the client: gpuckpt's ASGI middleware for ``vllm serve``.
+
+Loaded by vLLM's own ``--middleware agent.engines.vllm.middleware.GpuckptMiddleware``
+(``gpuckpt launch`` and :func:`agent.engines.vllm.serve.serve_command` add it).
+It runs in the API server process and does three things, all on the chat and
+completions endpoints (``POST /v1/chat/completions``, ``POST /v1/completions``):
+
+1. **Records the API-level facts** of every request the engine will see — the
+   endpoint, a digest of the body and one of the ``Authorization`` header (the
+   tenant), ``n`` and whether it asked for logprobs — by adding them to the
+   body's ``vllm_xargs`` (``gpuckpt_api``). They reach the engine as
+   ``SamplingParams.extra_args`` and so the checkpoint's ledger
+   (:func:`agent.engines.vllm.ledger.api_facts`): the engine core never sees the
+   endpoint or the chat messages, the ledger must.
+2. **Keeps the continuations** of a restore. The agent resubmits a restored
+   request with ``X-Gpuckpt-Resubmit`` (the ledger entry's id and facts) and
+   ``X-Gpuckpt-Token`` (the secret this process wrote beside the connector's
+   control socket, readable by the agent's group only). Such a request runs
+   in the engine under the ledger's own id (so the connector hands it the
+   carried state) and its tokens are kept here, bounded in bytes and time.
+3. **Attaches retries.** A client that sends its request again — the same
+   ``X-Request-Id``, the same body, the same tenant — is served *from the
+   continuation*: vLLM's own handler renders the response (chat or completion
+   chunks, streamed or not, every choice, stop strings, tool calls, usage), but
+   the engine client hands it the kept tokens — the checkpoint's outputs, then
+   the continuation as it is produced — instead of starting the request again.
+   A router's re-issue (``X-Gpuckpt-Reissue: 1``, ``/v1/completions`` with the
+   prompt + the tokens it already delivered, ``docs/router-contract.md``) is
+   served the rest after those tokens, once they are verified against the
+   continuation. Anything that does not match — another body under a reused
+   id, another tenant, tokens that differ, a request that asked for logprobs
+   (those of the tokens before the checkpoint are not carried) — is served as
+   a new request, and the response header ``X-Gpuckpt-Attach`` says why.
+
+The response header ``X-Gpuckpt-Attach`` is ``attached``, ``reissue`` or
+``new: <why>`` on every request the middleware considered. Nothing here can
+fail a request: any error of ours is logged and the request goes on as vLLM
+would serve it.
+
+How the engine client is reached: vLLM hands middleware the ASGI app only, so
+the engine client (``app.state.engine_client``) is wrapped once, at the first
+request, by an object that forwards ``generate`` to vLLM's own unless this
+request is a resubmission or an attached retry (a context variable set here
+says so). Only ``EngineClient.generate``'s public signature is relied on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from agent.engines.vllm.ledger import API_XARG
+
+log = logging.getLogger("gpuckpt.middleware")
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+EXPECT_PATH = "/gpuckpt/v1/expect"
+RESUBMIT_HEADER = "x-gpuckpt-resubmit"
+TOKEN_HEADER = "x-gpuckpt-token"  # noqa: S105 - a header name
+REISSUE_HEADER = "x-gpuckpt-reissue"
+ATTACH_HEADER = "x-gpuckpt-attach"
+#: the file beside the control socket that holds this worker's resubmission token
+TOKEN_SUFFIX = ".api-token"  # noqa: S105 - a file name
+
+#: kept continuations, by default (``kv_connector_extra_config``: ``continuations_max_bytes``,
+#: ``continuations_keep_s``, ``continuations_wait_s``)
+MAX_BYTES = 256 << 20
+KEEP_S = 600.0
+#: how long a retry waits for the continuation it expects (the agent's ``expect``), or a router's
+#: re-issue for the continuation to reach the tokens it delivered
+WAIT_S = 60.0
+#: bytes counted per kept token (ids in Python lists, generously)
+TOKEN_BYTES = 16
+
+_CTX: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("gpuckpt_call", default=None)
+_NOT_ATTACHABLE = (
+    ("logprobs", "logprobs of the tokens before the checkpoint are not carried"),
+    ("top_logprobs", "logprobs of the tokens before the checkpoint are not carried"),
+    ("prompt_logprobs", "prompt logprobs are not carried"),
+    ("echo", "echo is not carried"),
+    ("use_beam_search", "beam search is not carried"),
+)
+
+
+def body_digest(body: Mapping[str, Any]) -> str:
+    """A request body's identity: canonical JSON (sorted keys), SHA-256."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def tenant_digest(authorization: str | None) -> str:
+    """Whose request it is: the ``Authorization`` header's SHA-256 (empty without one)."""
+    return hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
+
+
+def not_attachable(body: Mapping[str, Any]) -> str | None:
+    """Why a request's retry cannot be served from a continuation, whatever it continues."""
+    for k, why in _NOT_ATTACHABLE:
+        if body.get(k) not in (None, False, 0) or (k == "logprobs" and body.get(k) is True):
+            return why
+    return None
+
+
+_CHILD = re.compile(r"^(?P<choice>\d+)_(?P<rest>.+)$")
+_CHAT = re.compile(r"^chatcmpl-(?P<base>.+)$")
+_CMPL = re.compile(r"^cmpl-(?P<base>.+)-(?P<prompt>\d+)$")
+
+
+def parse_id(cid: str, n: int) -> tuple[str, str, int] | None:
+    """A ledger client id as ``(X-Request-Id, endpoint, choice)``; ``None``: not a served request's
+    (or a completion's second prompt, which is not attached)."""
+    choice = 0
+    if n > 1 and (m := _CHILD.match(cid)):
+        choice, cid = int(m.group("choice")), m.group("rest")
+    if m := _CHAT.match(cid):
+        return m.group("base"), "chat", choice
+    if (m := _CMPL.match(cid)) and m.group("prompt") == "0":
+        return m.group("base"), "completions", choice
+    return None
+
+
+@dataclass
+class Choice:
+    """One choice of a kept continuation: the prompt, the outputs before the checkpoint and the
+    continuation's tokens as they come."""
+
+    index: int
+    prompt_ids: list[int]
+    earlier: list[int]
+    new: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    done: bool = False
+
+    def tokens(self) -> list[int]:
+        return self.earlier + self.new
+
+
+@dataclass
+class Continuation:
+    """A restored request's continuation, kept for its client: every choice, and a wake-up for
+    whoever is streaming it."""
+
+    base: str
+    endpoint: str
+    api: dict[str, Any]
+    n: int
+    choices: dict[int, Choice] = field(default_factory=dict)
+    engine_ids: list[str] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.choices) == self.n and all(c.done for c in self.choices.values())
+
+    def cost(self) -> int:
+        return TOKEN_BYTES * sum(len(c.prompt_ids) + len(c.earlier) + len(c.new) for c in self.choices.values())
+
+
+class Book:
+    """The continuations this worker keeps, bounded: finished ones go ``keep_s`` after they ended,
+    and the oldest finished ones go first when the bytes would exceed ``max_bytes`` (a running one
+    is never dropped; a new one that does not fit is not kept). Drops are counted."""
+
+    def __init__(self, *, max_bytes: int = MAX_BYTES, keep_s: float = KEEP_S) -> None:
+        self.max_bytes, self.keep_s = max_bytes, keep_s
+        self.items: OrderedDict[tuple[str, str], Continuation] = OrderedDict()
+        self.expected: dict[tuple[str, str], float] = {}
+        self.arrived = asyncio.Event()
+        self.counts: dict[str, int] = {}
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
+        _metric(what, n)
+
+    def bytes(self) -> int:
+        return sum(c.cost() for c in self.items.values())
+
+    def sweep(self, need: int = 0) -> None:
+        now = time.monotonic()
+        for k, c in list(self.items.items()):
+            if c.ended is not None and now - c.ended > self.keep_s:
+                del self.items[k]
+                self.count("dropped_ttl")
+        total = self.bytes()
+        for k, c in list(self.items.items()):
+            if total + need <= self.max_bytes:
+                break
+            if c.ended is not None:
+                total -= c.cost()
+                del self.items[k]
+                self.count("dropped_bytes")
+        for k, deadline in list(self.expected.items()):
+            if deadline < now:
+                del self.expected[k]
+
+    def get(self, base: str, endpoint: str) -> Continuation | None:
+        self.sweep()
+        return self.items.get((base, endpoint))
+
+    def find(self, base: str) -> list[Continuation]:
+        self.sweep()
+        return [c for (b, _), c in self.items.items() if b == base]
+
+    def register(
+        self, cid: str, api: dict[str, Any], all_ids: list[int], prompt_len: int
+    ) -> tuple[Continuation, Choice] | None:
+        """The continuation and choice a resubmission of ledger entry ``cid`` fills (``None``: not
+        kept, counted)."""
+        n = int(api.get("n") or 1)
+        parsed = parse_id(cid, n)
+        if parsed is None:
+            self.count("not_kept_id")
+            return None
+        base, endpoint, index = parsed
+        need = TOKEN_BYTES * len(all_ids)
+        self.sweep(need)
+        if self.bytes() + need > self.max_bytes:
+            self.count("not_kept_bytes")
+            log.warning("gpuckpt: continuation of %s not kept: over %d bytes", cid, self.max_bytes)
+            return None
+        key = (base, endpoint)
+        cont = self.items.get(key)
+        if cont is None or cont.api.get("body") != api.get("body") or index in cont.choices:
+            cont = Continuation(base, endpoint, dict(api), n)
+            self.items[key] = cont
+        ch = Choice(index, list(all_ids[:prompt_len]), list(all_ids[prompt_len:]))
+        cont.choices[index] = ch
+        cont.engine_ids.append(cid)
+        if len(cont.choices) >= cont.n:
+            self.expected.pop(key, None)
+        self.arrived.set()
+        self.arrived = asyncio.Event()
+        self.count("kept")
+        return cont, ch
+
+
+def _metric(what: str, n: int) -> None:
+    """Count in the API server's Prometheus registry (its ``/metrics``), if it has one."""
+    try:
+        c = _COUNTER[0]
+        if c is None:
+            from prometheus_client import Counter
+
+            c = _COUNTER[0] = Counter(
+                "gpuckpt_continuations_total",
+                "Restored continuations: kept, attached to retries and re-issues, refused, dropped",
+                ["event"],
+            )
+        c.labels(event=what).inc(n)
+    except Exception as exc:  # a metric never fails a request
+        log.debug("gpuckpt: metric %s not counted: %s", what, exc)
+
+
+_COUNTER: list[Any] = [None]
+
+
+@dataclass
+class _Call:
+    """What this HTTP request is to the engine-client wrapper (the context variable's value)."""
+
+    kind: str  # "resubmit" | "attach" | "reissue"
+    outcome: str | None = None
+    cid: str = ""
+    api: dict[str, Any] = field(default_factory=dict)
+    prompt_len: int = 0
+    cont: Continuation | None = None
+    choice: Choice | None = None
+    offset: int = 0  # reissue: the tokens the router already delivered
+
+
+class _Wrapped:
+    """The API server's engine client, with ``generate`` answered from a continuation when the
+    current HTTP request (``_CTX``) is an attached retry, and teed into one when it is a resubmission;
+    every other attribute is the engine client's."""
+
+    def __init__(self, inner: Any, book: Book) -> None:
+        self._inner, self._book = inner, book
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kw: Any) -> Any:
+        call = _CTX.get()
+        real: Callable[..., Any] = self._inner.generate
+        if call is None or call.kind == "new":  # "new": the middleware already said why not
+            return real(prompt, sampling_params, request_id, *args, **kw)
+        try:
+            ids = _prompt_ids(prompt)
+            if call.kind == "resubmit":
+                return self._resubmit(call, ids, real, prompt, sampling_params, args, kw)
+            why = self._check(call, ids, sampling_params)
+        except Exception as exc:
+            log.exception("gpuckpt: engine-client wrapper")
+            why = f"internal error: {exc}"
+        if why is not None:
+            call.outcome = f"new: {why}"
+            self._book.count("refused")
+            return real(prompt, sampling_params, request_id, *args, **kw)
+        call.outcome = "reissue" if call.kind == "reissue" else "attached"
+        self._book.count(call.outcome)
+        return self._replay(call, sampling_params, request_id)
+
+    def _check(self, call: _Call, ids: list[int] | None, sp: Any) -> str | None:
+        cont = call.cont
+        assert cont is not None
+        if ids is None:
+            return "its prompt has no token ids"
+        if call.kind == "reissue":
+            ch = call.choice
+            assert ch is not None
+            return None if ids == ch.prompt_ids + ch.tokens()[: call.offset] else "its tokens changed meanwhile"
+        if int(getattr(sp, "n", 1) or 1) != cont.n or len(cont.choices) != cont.n:
+            return f"{cont.n - len(cont.choices)} of its {cont.n} choices finished before the checkpoint"
+        if any(c.prompt_ids != ids for c in cont.choices.values()):
+            return "its prompt renders to other tokens than the checkpointed request's"
+        return None
+
+    def _resubmit(
+        self, call: _Call, ids: list[int] | None, real: Any, prompt: Any, sp: Any, args: Any, kw: Any
+    ) -> AsyncGenerator[Any, None]:
+        kept = self._book.register(call.cid, call.api, ids, call.prompt_len) if ids is not None and call.api else None
+        cont, ch = kept if kept is not None else (None, None)
+        call.outcome = "kept" if kept is not None else "new: not kept (no API facts, or over the bound)"
+        # under the ledger's own id: the connector hands the carried state to exactly this request
+        inner = real(prompt, sp, call.cid, *args, **kw)
+
+        async def tee() -> AsyncGenerator[Any, None]:
+            try:
+                async for ro in inner:
+                    if ch is not None and cont is not None:
+                        for out in ro.outputs:
+                            ch.new.extend(int(t) for t in out.token_ids)
+                            if out.finish_reason is not None:
+                                ch.finish_reason, ch.stop_reason, ch.done = out.finish_reason, out.stop_reason, True
+                        cont.notify()
+                    yield ro
+            finally:
+                if ch is not None and cont is not None and not ch.done:
+                    ch.finish_reason, ch.done = "abort", True
+                if cont is not None:
+                    if cont.complete and cont.ended is None:
+                        cont.ended = time.monotonic()
+                    cont.notify()
+
+        return tee()
+
+    async def _replay(self, call: _Call, sp: Any, request_id: str) -> AsyncGenerator[Any, None]:
+        """The response's engine outputs, from the continuation: each choice's tokens from
+        ``offset`` on, detokenized by vLLM's own incremental detokenizer primed with the prompt
+        (stop strings and ``min_tokens`` judged over the whole output, across the checkpoint)."""
+        from vllm.outputs import CompletionOutput, RequestOutput
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+        cont = call.cont
+        assert cont is not None
+        chosen = [call.choice] if call.kind == "reissue" and call.choice else list(cont.choices.values())
+        tokenizer = self._inner.renderer.tokenizer
+        kind = getattr(sp, "output_kind", RequestOutputKind.DELTA)
+        delta = kind == RequestOutputKind.DELTA
+        state: dict[int, dict[str, Any]] = {}
+        for c in chosen:
+            assert c is not None
+            fake = SimpleNamespace(
+                request_id=request_id, prompt_token_ids=c.prompt_ids + c.tokens()[: call.offset], sampling_params=sp
+            )
+            state[c.index] = {
+                "detok": IncrementalDetokenizer.from_new_request(tokenizer, fake),
+                "read": call.offset,
+                "emitted": 0,
+                "finish": None,
+                "stop": None,
+            }
+        prompt_ids = chosen[0].prompt_ids if chosen and chosen[0] else []
+        stopped_early: list[int] = []
+        last: dict[int, Any] = {}  # each choice's latest output (cumulative kinds yield them all)
+        while True:
+            wake = cont.changed
+            outs = []
+            for c in chosen:
+                assert c is not None
+                st = state[c.index]
+                if st["finish"] is not None:
+                    continue
+                toks = c.tokens()
+                fresh = toks[st["read"] :]
+                at_end = c.done
+                if fresh:
+                    stop_term = at_end and c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+                    stop_str = st["detok"].update(fresh, stop_term)
+                    st["read"] = len(toks)
+                    if stop_str is not None:
+                        st["finish"], st["stop"] = "stop", stop_str
+                        if not c.done:
+                            stopped_early.append(c.index)
+                if st["finish"] is None and at_end and st["read"] >= len(toks):
+                    st["finish"], st["stop"] = c.finish_reason, c.stop_reason
+                finished = st["finish"] is not None
+                all_ids = st["detok"].output_token_ids
+                if delta:
+                    ids, text = all_ids[st["emitted"] :], st["detok"].get_next_output_text(finished, True)
+                else:
+                    ids, text = list(all_ids), st["detok"].get_next_output_text(finished, False)
+                if delta and not ids and not text and not finished:
+                    continue
+                st["emitted"] = len(all_ids)
+                last[c.index] = CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=list(ids),
+                    cumulative_logprob=None,
+                    logprobs=None,
+                    finish_reason=st["finish"],
+                    stop_reason=st["stop"],
+                )
+                outs.append(last[c.index])
+            done = all(s["finish"] is not None for s in state.values())
+            if outs and (kind != RequestOutputKind.FINAL_ONLY or done):
+                if delta:
+                    for o in outs:
+                        yield RequestOutput(request_id, None, prompt_ids, None, [o], done and o is outs[-1])
+                else:  # cumulative kinds: every choice's whole output so far
+                    yield RequestOutput(request_id, None, prompt_ids, None, [last[i] for i in sorted(last)], done)
+            if done:
+                break
+            await wake.wait()
+        if stopped_early:
+            # a stop string that spans the checkpoint: the uninterrupted run stopped here too
+            try:
+                await self._inner.abort(cont.engine_ids)
+            except Exception:
+                log.exception("gpuckpt: aborting a continuation past its stop string")
+
+
+def _prompt_ids(prompt: Any) -> list[int] | None:
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else getattr(prompt, "prompt_token_ids", None)
+    return [int(t) for t in ids] if ids is not None else None
+
+
+@dataclass
+class _Server:
+    """This API server's gpuckpt state: the book, the token, the settings."""
+
+    book: Book
+    token: str | None
+    wait_s: float
+
+
+class GpuckptMiddleware:
+    """A pure ASGI middleware (no response buffering: streams pass through as they are)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._server: _Server | None = None
+
+    def _setup(self, fastapi_app: Any) -> _Server:
+        """This server's state, made once; the engine client wrapped as soon as it exists."""
+        state = fastapi_app.state
+        if self._server is None:
+            extra = {}
+            ktc = getattr(getattr(state, "vllm_config", None), "kv_transfer_config", None)
+            if ktc is not None:
+                extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+            book = Book(
+                max_bytes=int(extra.get("continuations_max_bytes", MAX_BYTES)),
+                keep_s=float(extra.get("continuations_keep_s", KEEP_S)),
+            )
+            self._server = _Server(book, _write_token(extra), float(extra.get("continuations_wait_s", WAIT_S)))
+        ec = getattr(state, "engine_client", None)
+        if ec is not None and not isinstance(ec, _Wrapped):
+            wrapped = _Wrapped(ec, self._server.book)
+            state.engine_client = wrapped
+            # the handlers were built with the engine client: hand them the wrapper
+            for obj in list(getattr(state, "_state", {}).values()):
+                if getattr(obj, "engine_client", None) is ec:
+                    obj.engine_client = wrapped
+        return self._server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        endpoint = ENDPOINTS.get(path)
+        server = None
+        if "app" in scope:
+            # at the server's start (lifespan): the token file must exist before the agent looks
+            try:
+                server = self._setup(scope["app"])
+            except Exception:
+                log.exception("gpuckpt: middleware set-up")
+        ours = scope.get("type") == "http" and scope.get("method") == "POST" and (endpoint or path == EXPECT_PATH)
+        if server is None or not ours:
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        if path == EXPECT_PATH:
+            return await _expect(server, headers, body, send)
+        try:
+            call, new_body = await self._decide(server, endpoint or "", headers, body)
+        except _Refuse as r:
+            return await _json(send, r.status, {"error": {"message": r.message, "type": "gpuckpt"}})
+        except Exception:
+            log.exception("gpuckpt: middleware")
+            call, new_body = None, body
+        if new_body is not body:
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"] + [
+                (b"content-length", str(len(new_body)).encode())
+            ]
+
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": new_body, "more_body": False}
+            return await receive()  # type: ignore[no-any-return]
+
+        async def send_with_outcome(msg: dict[str, Any]) -> None:
+            if msg.get("type") == "http.response.start" and call is not None and call.outcome:
+                msg = {**msg, "headers": [*msg.get("headers", ()), (ATTACH_HEADER.encode(), _ascii(call.outcome))]}
+            await send(msg)
+
+        tok = _CTX.set(call)
+        try:
+            await self.app(scope, replay, send_with_outcome)
+        finally:
+            _CTX.reset(tok)
+
+    async def _decide(
+        self, server: _Server, endpoint: str, headers: dict[str, str], body: bytes
+    ) -> tuple[_Call | None, bytes]:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None, body  # vLLM answers a malformed body itself
+        if not isinstance(doc, dict):
+            return None, body
+        book = server.book
+        tenant = tenant_digest(headers.get("authorization"))
+        facts = {
+            "endpoint": endpoint,
+            "body": body_digest(doc),
+            "tenant": tenant,
+            "n": int(doc.get("n") or 1),
+            "logprobs": bool(doc.get("logprobs") or doc.get("top_logprobs")),
+        }
+        call: _Call | None = None
+        if RESUBMIT_HEADER in headers:
+            if not server.token or not hmac.compare_digest(headers.get(TOKEN_HEADER, ""), server.token):
+                raise _Refuse(403, "gpuckpt: a resubmission needs this worker's token")
+            info = json.loads(headers[RESUBMIT_HEADER])
+            api = info.get("api") or {}
+            if api:
+                # the original request's facts: a retry matches them after another checkpoint too
+                api = {**api, "prompt_tokens": int(api.get("prompt_tokens", info.get("prompt_len", 0)))}
+            call = _Call("resubmit", cid=str(info["id"]), api=api, prompt_len=int(api.get("prompt_tokens") or 0))
+            facts = api or facts
+        elif REISSUE_HEADER in headers and endpoint == "completions" and (base := headers.get("x-request-id")):
+            call = await self._reissue(server, base, tenant, doc)
+        elif base := headers.get("x-request-id"):
+            key = (base, endpoint)
+            cont = book.get(base, endpoint)
+            if (cont is None or len(cont.choices) < cont.n) and key in book.expected:
+                cont = await _wait_for(book, key, server.wait_s)
+            if cont is not None:
+                why = not_attachable(doc)
+                if cont.api.get("tenant") != tenant:
+                    why = "another tenant's request id"
+                elif cont.api.get("body") != facts["body"]:
+                    why = "its body differs from the checkpointed request's"
+                if why is None:
+                    call = _Call("attach", cont=cont)
+                else:
+                    call = _Call("new", outcome=f"new: {why}")
+                    book.count("refused")
+        xargs = doc.get("vllm_xargs")
+        packed = json.dumps(facts, separators=(",", ":"))
+        doc["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), API_XARG: packed}
+        return call, json.dumps(doc).encode()
+
+    async def _reissue(self, server: _Server, base: str, tenant: str, doc: dict[str, Any]) -> _Call:
+        prompt = doc.get("prompt")
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            return _Call("new", outcome="new: a re-issue sends its prompt as token ids")
+        if why := not_attachable(doc):
+            return _Call("new", outcome=f"new: {why}")
+        book = server.book
+        conts = [c for c in book.find(base) if c.api.get("tenant") == tenant]
+        for cont in conts:
+            for ch in cont.choices.values():
+                if prompt[: len(ch.prompt_ids)] != ch.prompt_ids:
+                    continue
+                offset = len(prompt) - len(ch.prompt_ids)
+                deadline = time.monotonic() + server.wait_s
+                while len(ch.tokens()) < offset and not ch.done and time.monotonic() < deadline:
+                    wake = cont.changed
+                    try:
+                        await asyncio.wait_for(wake.wait(), max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        break
+                if ch.tokens()[:offset] == prompt[len(ch.prompt_ids) :]:
+                    return _Call("reissue", cont=cont, choice=ch, offset=offset)
+        book.count("refused")
+        return _Call("new", outcome="new: no continuation of this id holds these tokens")
+
+
+class _Refuse(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def _wait_for(book: Book, key: tuple[str, str], wait_s: float) -> Continuation | None:
+    """A retry that came before the agent's resubmission of its request (of each of its choices):
+    wait (bounded) for it."""
+    deadline = min(book.expected.get(key, 0.0), time.monotonic() + wait_s)
+    while ((cont := book.items.get(key)) is None or len(cont.choices) < cont.n) and time.monotonic() < deadline:
+        ev = book.arrived
+        try:
+            await asyncio.wait_for(ev.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            break
+    return cont
+
+
+async def _expect(server: _Server, headers: dict[str, str], body: bytes, send: Any) -> None:
+    """``POST /gpuckpt/v1/expect`` (the agent, with the token): these ledger ids are about to be
+    resubmitted; a retry of one of them waits for its continuation instead of starting anew."""
+    if not server.token or not hmac.compare_digest(headers.get(TOKEN_HEADER, ""), server.token):
+        return await _json(send, 403, {"error": {"message": "gpuckpt: expect needs this worker's token"}})
+    try:
+        doc = json.loads(body)
+        ids = [(str(r["id"]), int(r.get("n") or 1)) for r in doc["requests"]]
+        wait_s = min(float(doc.get("wait_s", server.wait_s)), 600.0)
+    except (ValueError, KeyError, TypeError) as exc:
+        return await _json(send, 400, {"error": {"message": f"gpuckpt: bad expect body: {exc}"}})
+    deadline = time.monotonic() + wait_s
+    n = 0
+    for cid, choices in ids:
+        parsed = parse_id(cid, choices)
+        if parsed is not None:
+            server.book.expected[parsed[:2]] = deadline
+            n += 1
+    await _json(send, 200, {"expected": n})
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg.get("type") != "http.request":
+            break
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _json(send: Any, status: int, doc: dict[str, Any]) -> None:
+    data = json.dumps(doc).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+def _ascii(s: str) -> bytes:
+    return s.encode("ascii", "backslashreplace")[:400]
+
+
+def token_path(control_socket: str) -> Path:
+    """Where the worker's resubmission token lives: beside the connector's control socket."""
+    return Path(control_socket + TOKEN_SUFFIX)
+
+
+def _write_token(extra: Mapping[str, Any]) -> str | None:
+    """A fresh token for this server, in a file only the agent (the socket's group) can read."""
+    sock = extra.get("control_socket")
+    if not sock:
+        return None
+    token = secrets.token_urlsafe(32)
+    p = token_path(str(sock))
+    tmp = p.with_name(f".{p.name}.{os.getpid()}")
+    group = extra.get("shared_group")
+    mode = 0o640 if group else 0o600
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        if group:
+            import grp
+
+            os.fchown(fd, -1, grp.getgrnam(str(group)).gr_gid if not str(group).isdigit() else int(group))
+        os.fchmod(fd, mode)
+        os.write(fd, token.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, p)
+    return token

@@ -1,0 +1,144 @@
+"""gpuckpt's ``vllm serve`` middleware without an engine: ids, digests, the book's bounds, and the
+ASGI surface (facts recorded in ``vllm_xargs``, resubmissions refused without the token, retries
+that do not match never attached). The end-to-end behaviour is ``tests/vllm/test_retries.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from agent.engines.vllm.ledger import API_XARG, api_facts, resubmitted_id
+from agent.engines.vllm.middleware import (
+    ATTACH_HEADER,
+    RESUBMIT_HEADER,
+    TOKEN_HEADER,
+    Book,
+    GpuckptMiddleware,
+    body_digest,
+    not_attachable,
+    parse_id,
+    token_path,
+)
+
+
+def test_ledger_ids_map_to_the_request_id_and_endpoint_a_retry_carries() -> None:
+    assert parse_id("chatcmpl-abc", 1) == ("abc", "chat", 0)
+    assert parse_id("1_chatcmpl-abc", 2) == ("abc", "chat", 1)
+    assert parse_id("1_chatcmpl-abc", 1) is None, "a child prefix only where the request had n > 1"
+    assert parse_id("cmpl-a-b-0", 1) == ("a-b", "completions", 0)
+    assert parse_id("cmpl-a-1", 1) is None, "a completion's second prompt is not attached"
+    assert parse_id("offline-7", 1) is None
+    assert resubmitted_id("chatcmpl-x") == "cmpl-chatcmpl-x-0"
+    assert resubmitted_id("cmpl-x-0") == "cmpl-x-0"
+
+
+def test_body_digest_is_canonical_and_logprobs_are_not_attachable() -> None:
+    assert body_digest({"a": 1, "b": [1, 2]}) == body_digest({"b": [1, 2], "a": 1})
+    assert body_digest({"a": 1}) != body_digest({"a": 2})
+    assert not_attachable({"logprobs": 2}) is not None
+    assert not_attachable({"logprobs": True, "top_logprobs": 0}) is not None
+    assert not_attachable({"logprobs": False, "temperature": 0}) is None
+
+
+def test_api_facts_round_trip_through_extra_args() -> None:
+    facts = {"endpoint": "chat", "body": "0" * 64, "tenant": "", "n": 1}
+    sp = SimpleNamespace(extra_args={API_XARG: json.dumps(facts)})
+    assert api_facts(sp) == facts
+    assert api_facts(SimpleNamespace(extra_args={API_XARG: "not json"})) is None
+    assert api_facts(SimpleNamespace(extra_args=None)) is None
+
+
+def test_the_book_drops_finished_continuations_by_age_and_bytes_never_running_ones() -> None:
+    book = Book(max_bytes=16 * 100, keep_s=0.05)
+    api = {"endpoint": "chat", "body": "b", "tenant": "", "n": 1}
+    kept = book.register("chatcmpl-a", api, list(range(50)), 10)
+    assert kept is not None
+    cont, ch = kept
+    assert ch.prompt_ids == list(range(10))
+    assert ch.earlier == list(range(10, 50))
+    # a second one does not fit while the first runs: not kept, counted
+    assert book.register("chatcmpl-b", api, list(range(60)), 10) is None
+    assert book.counts["not_kept_bytes"] == 1
+    cont.ended = time.monotonic() - 1
+    assert book.register("chatcmpl-b", api, list(range(60)), 10) is not None
+    assert book.get("a", "chat") is None
+    assert book.counts["dropped_ttl"] == 1
+
+
+def _run_app(mw: GpuckptMiddleware, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, dict, dict]:
+    seen: dict[str, Any] = {}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        msg = await receive()
+        seen["body"] = json.loads(msg["body"])
+        seen["length"] = dict(scope["headers"])[b"content-length"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    mw.app = app
+    state = SimpleNamespace(_state={}, engine_client=None, vllm_config=None)
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in {**headers, "content-length": str(len(raw))}.items()],
+        "app": SimpleNamespace(state=state),
+    }
+    got: dict[str, Any] = {"headers": {}}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            got["status"] = msg["status"]
+            got["headers"] = {k.decode(): v.decode() for k, v in msg.get("headers", ())}
+        else:
+            got["body"] = json.loads(msg["body"])
+
+    asyncio.run(mw(scope, receive, send))
+    return got["status"], got, seen
+
+
+def test_the_middleware_records_the_facts_and_refuses_a_resubmission_without_the_token(tmp_path: Path) -> None:
+    mw = GpuckptMiddleware(None)
+    status, _, seen = _run_app(mw, {"messages": [], "n": 2}, {"X-Request-Id": "r1", "Authorization": "Bearer k"})
+    assert status == 200
+    facts = json.loads(seen["body"]["vllm_xargs"][API_XARG])
+    assert facts["endpoint"] == "chat"
+    assert facts["n"] == 2
+    assert facts["body"] == body_digest({"messages": [], "n": 2})
+    assert seen["length"] == str(len(json.dumps(seen["body"]).encode())).encode()
+    # a forged resubmission: this server has no token (no control socket), so none is accepted
+    status, got, _ = _run_app(mw, {"prompt": [1, 2]}, {RESUBMIT_HEADER: json.dumps({"id": "chatcmpl-r1"})})
+    assert status == 403
+    assert "token" in got["body"]["error"]["message"]
+    status, got, _ = _run_app(mw, {"prompt": [1]}, {RESUBMIT_HEADER: "{}", TOKEN_HEADER: "guess"})
+    assert status == 403
+
+
+def test_a_retry_with_another_body_under_a_kept_id_is_served_as_new() -> None:
+    mw = GpuckptMiddleware(None)
+    _run_app(mw, {"messages": []}, {})
+    assert mw._server is not None
+    api = {"endpoint": "chat", "body": body_digest({"messages": ["x"]}), "tenant": "", "n": 1}
+    mw._server.book.register("chatcmpl-r2", api, [1, 2, 3], 2)
+    _, got, _ = _run_app(mw, {"messages": ["y"]}, {"X-Request-Id": "r2"})
+    assert got["headers"][ATTACH_HEADER] == "new: its body differs from the checkpointed request's"
+    _, got, _ = _run_app(mw, {"messages": ["x"]}, {"X-Request-Id": "r2", "Authorization": "Bearer other"})
+    assert got["headers"][ATTACH_HEADER] == "new: another tenant's request id"
+
+
+def test_the_token_file_is_written_for_the_agent_only(tmp_path: Path) -> None:
+    from agent.engines.vllm.middleware import _write_token
+
+    sock = str(tmp_path / "w.sock")
+    token = _write_token({"control_socket": sock})
+    p = token_path(sock)
+    assert p.read_text() == token
+    assert p.stat().st_mode & 0o077 == 0

@@ -1,0 +1,355 @@
+"""Restored requests reach the clients that sent them, through ``vllm serve`` and the ``openai``
+client: chat and completions, streamed and not, the request kinds production traffic has.
+
+Worker A (CPU build, a generated model with a tokenizer and a chat template, gpuckpt's connector
+and middleware) serves seven clients, each with its own ``X-Request-Id``; a checkpoint is taken
+once every engine request has 40 outputs; the same worker then finishes them (the uninterrupted
+reference: what each client got) and its process group is SIGKILLed. Worker B restores the
+checkpoint (warm, canary checked), the agent's path resubmits the ledger, and then:
+
+- each client retries its call (same id, same body): it gets the whole original response, in its
+  endpoint's format, equal to the reference, and the engine generates each request's missing
+  tokens once (the engine's own counter);
+- a router re-issues three of them as prompt + more tokens than the checkpoint held: each gets
+  the exact rest;
+- a request under a reused id with another body, or another tenant's key, is never attached.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agent.engines import canary, driver
+from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
+from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
+from ckpt import Repository
+from tests.vllm.test_serve import ENV, free_port
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "--enforce-eager",
+    "--dtype",
+    "float32",
+    "--block-size",
+    "32",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "16",
+    "--seed",
+    "0",
+    "--structured-outputs-config",
+    json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+N = 160
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "words": {
+            "type": "array",
+            "items": {"type": "string", "enum": ["alpha", "beta", "gamma", "delta"]},
+            "minItems": 30,
+            "maxItems": 30,
+        }
+    },
+    "required": ["words"],
+    "additionalProperties": False,
+}
+NOEOS = {"ignore_eos": True, "return_token_ids": True}
+
+
+def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
+    """id → (endpoint, body, engine requests)."""
+
+    def words(k: int) -> str:
+        return " ".join(rng.choice(["alpha", "beta", "gamma", "quick", "brown", "fox", "jumps"]) for _ in range(k))
+
+    def chat(k: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": "the quick brown fox"}, {"role": "user", "content": words(k)}]
+
+    return {
+        "greedy": ("chat", {"messages": chat(20), "temperature": 0.0, "max_tokens": N, **NOEOS, "stream": True}, 1),
+        "twice": (
+            "chat",
+            {"messages": chat(22), "n": 2, "temperature": 0.8, "seed": 7, "max_tokens": N, **NOEOS, "stream": False},
+            2,
+        ),
+        "logprobs": (
+            "completions",
+            {"prompt": words(30), "temperature": 0.0, "max_tokens": N, "logprobs": 2, **NOEOS, "stream": True},
+            1,
+        ),
+        "stopstr": (
+            "completions",
+            {"prompt": words(26), "temperature": 0.0, "max_tokens": N, "stop": ["qqqq"], **NOEOS, "stream": False},
+            1,
+        ),
+        "json": (
+            "chat",
+            {
+                "messages": chat(18),
+                "temperature": 0.0,
+                "max_tokens": 400,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}},
+                "return_token_ids": True,
+                "stream": True,
+            },
+            1,
+        ),
+        "penalised": (
+            "chat",
+            {
+                "messages": chat(24),
+                "temperature": 0.0,
+                "frequency_penalty": 0.8,
+                "presence_penalty": 0.4,
+                "max_tokens": N,
+                **NOEOS,
+                "stream": True,
+            },
+            1,
+        ),
+        "topp": (
+            "chat",
+            {"messages": chat(21), "temperature": 1.0, "top_p": 0.9, "seed": 11, "max_tokens": N, **NOEOS},
+            1,
+        ),
+    }
+
+
+def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1") -> dict[str, Any]:
+    """One API call as a client makes it: the choices' text and token ids, finish reasons, headers."""
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    headers = {"X-Request-Id": rid, "Authorization": f"Bearer {key}"}
+    body = {"model": "m", **body}
+    out: dict[str, Any] = {"choices": {}}
+
+    def take(i: int, text: str | None, ids: list[int] | None, finish: str | None) -> None:
+        c = out["choices"].setdefault(i, {"text": "", "ids": [], "finish": None})
+        c["text"] += text or ""
+        c["ids"] += ids or []
+        c["finish"] = finish or c["finish"]
+
+    with httpx.Client(timeout=600) as h:
+        if body.get("stream"):
+            with h.stream("POST", f"{url}{path}", json=body, headers=headers) as r:
+                assert r.status_code == 200, r.read()
+                out["attach"] = r.headers.get(ATTACH_HEADER)
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    for ch in ev.get("choices") or ():
+                        text = (ch.get("delta") or {}).get("content") if endpoint == "chat" else ch.get("text")
+                        take(ch["index"], text, ch.get("token_ids"), ch.get("finish_reason"))
+        else:
+            r = h.post(f"{url}{path}", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            out["attach"] = r.headers.get(ATTACH_HEADER)
+            for ch in r.json()["choices"]:
+                text = ch["message"]["content"] if endpoint == "chat" else ch["text"]
+                take(ch["index"], text, ch.get("token_ids"), ch.get("finish_reason"))
+    return out
+
+
+def generated(url: str) -> float:
+    """The engine's own count of generated tokens (``/metrics``)."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:generation_tokens_total in /metrics")
+
+
+def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:
+    import shutil
+
+    path = tmp / "chat-model"
+    shutil.copytree(tiny_llama_text, path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def worker(model: Path, tmp: Path, name: str) -> ServeProcess:
+    sock, stage = str(tmp / f"{name}.sock"), str(tmp / f"stage-{name}")
+    return ServeProcess(
+        str(model),
+        sock,
+        port=free_port(),
+        log_path=str(tmp / f"{name}.log"),
+        staging_dir=stage,
+        args=[*ARGS, "--served-model-name", "m"],
+        env=ENV,
+        kv_config=kv_transfer_config(sock, stage),
+    )
+
+
+@pytest.fixture(scope="module")
+def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm-retries")
+    model = chat_model(tiny_llama_text, tmp)
+    repo = Repository.open(str(tmp / "repo"), create=True)
+    reqs = kinds(random.Random(5))
+    out: dict[str, Any] = {"kinds": reqs}
+    with worker(model, tmp, "a") as a:
+        a.wait_ready()
+        probe = canary.record(a.client.generate)
+        ref: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        def run(k: str) -> None:
+            try:
+                endpoint, body, _ = reqs[k]
+                ref[k] = call(a.url, k, endpoint, body)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in reqs]
+        live = sum(n for _, _, n in reqs.values())
+        driver.hold(a.control_socket, live, timeout=300)
+
+        def start() -> None:
+            for t in threads:
+                t.start()
+
+        when = {"live": live, "min_outputs": 40}
+        m = driver.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        out["checkpoint"], out["reference"] = m, ref
+        a.kill()
+    with worker(model, tmp, "b") as b:
+        b.wait_ready()
+        plan = driver.restore(
+            repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate
+        )
+        out["plan"] = plan
+        g0 = generated(b.url)
+        resumed: dict[str, Any] = {}
+        sub = threading.Thread(target=lambda: resumed.update(b.client.submit(plan.requests)))
+        sub.start()
+        retries: dict[str, Any] = {}
+        rthreads = []
+        for k, (endpoint, body, _) in reqs.items():
+
+            def retry(k: str = k, endpoint: str = endpoint, body: dict[str, Any] = body) -> None:
+                try:
+                    retries[k] = call(b.url, k, endpoint, body)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            rthreads.append(threading.Thread(target=retry))
+            rthreads[-1].start()
+        for t in rthreads:
+            t.join(600)
+        sub.join(600)
+        assert not errors, errors
+        out["retries"], out["resumed"] = retries, resumed
+        out["generated"] = generated(b.url) - g0
+        # a router re-issues three streams as prompt + what it had delivered (10 tokens past the checkpoint)
+        entries = {e["client_request_id"]: e for e in m.ledger.data["requests"]}
+        reissued = {}
+        for k, cid in (("topp", "chatcmpl-topp"), ("penalised", "chatcmpl-penalised"), ("json", "chatcmpl-json")):
+            e = entries[cid]
+            delivered = ref[k]["choices"][0]["ids"][: len(e["output_token_ids"]) + 10]
+            body = {"prompt": e["prompt_token_ids"] + delivered, "max_tokens": 1000, "temperature": 0.0, **NOEOS}
+            with httpx.Client(timeout=600) as h:
+                r = h.post(
+                    f"{b.url}/v1/completions",
+                    json={"model": "m", **body},
+                    headers={"X-Request-Id": k, "Authorization": "Bearer k1", REISSUE_HEADER: "1"},
+                )
+            assert r.status_code == 200, r.text
+            reissued[k] = {
+                "delivered": len(delivered),
+                "attach": r.headers.get(ATTACH_HEADER),
+                **r.json()["choices"][0],
+            }
+        out["reissued"] = reissued
+        # the same id with another body, and another tenant's key with the same body: never attached
+        endpoint, body, _ = reqs["greedy"]
+        out["other_body"] = call(b.url, "greedy", endpoint, {**body, "max_tokens": 8, "stream": False})
+        out["other_tenant"] = call(b.url, "greedy", endpoint, {**body, "stream": False}, key="k2")
+        out["connector"] = driver.stats(b.control_socket)
+        out["metrics"] = httpx.get(f"{b.url}/metrics", timeout=30).text
+    return out
+
+
+def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: dict[str, Any]) -> None:
+    entries = {e["client_request_id"]: e for e in retried["checkpoint"].ledger.data["requests"]}
+    assert set(entries) == {
+        "chatcmpl-greedy",
+        "0_chatcmpl-twice",
+        "1_chatcmpl-twice",
+        "cmpl-logprobs-0",
+        "cmpl-stopstr-0",
+        "chatcmpl-json",
+        "chatcmpl-penalised",
+        "chatcmpl-topp",
+    }
+    for cid, e in entries.items():
+        assert e["exact"], (cid, e["inexact_reasons"])
+        assert len(e["output_token_ids"]) >= 40, "checkpointed mid-decode"
+        assert e["api"]["endpoint"] == ("completions" if cid.startswith("cmpl") else "chat")
+        assert len(e["api"]["body"]) == len(e["api"]["tenant"]) == 64
+
+
+def test_each_retry_gets_the_whole_uninterrupted_answer(retried: dict[str, Any]) -> None:
+    assert retried["plan"].warm, retried["plan"].reasons
+    for k, ref in retried["reference"].items():
+        got = retried["retries"][k]
+        assert got["attach"] == (
+            "new: logprobs of the tokens before the checkpoint are not carried" if k == "logprobs" else "attached"
+        ), (k, got["attach"])
+        assert got["choices"].keys() == ref["choices"].keys(), k
+        for i, c in ref["choices"].items():
+            assert got["choices"][i]["ids"] == c["ids"], f"{k} choice {i}: tokens differ from the uninterrupted run"
+            assert got["choices"][i]["text"] == c["text"], f"{k} choice {i}: text differs"
+            assert got["choices"][i]["finish"] == c["finish"], k
+    doc = json.loads(retried["retries"]["json"]["choices"][0]["text"])
+    assert len(doc["words"]) == 30
+
+
+def test_the_missing_tokens_are_generated_once(retried: dict[str, Any]) -> None:
+    resumed = sum(len(c.token_ids) for c in retried["resumed"].values())
+    # the logprobs request's retry is served as a new request: its tokens are generated again
+    again = len(retried["reference"]["logprobs"]["choices"][0]["ids"])
+    assert retried["generated"] == resumed + again
+    missing = sum(
+        len(retried["reference"][k]["choices"][0 if not cid[0].isdigit() else int(cid[0])]["ids"])
+        - len(e["output_token_ids"])
+        for e in retried["checkpoint"].ledger.data["requests"]
+        for cid in [e["client_request_id"]]
+        for k in [cid.split("-")[1] if cid.startswith("cmpl") else cid.split("chatcmpl-")[1]]
+    )
+    assert resumed == missing
+
+
+def test_a_router_reissue_continues_exactly(retried: dict[str, Any]) -> None:
+    for k, r in retried["reissued"].items():
+        assert r["attach"] == "reissue", (k, r["attach"])
+        want = retried["reference"][k]["choices"][0]["ids"][r["delivered"] :]
+        assert r["token_ids"] == want, f"{k}: the re-issued stream diverged"
+
+
+def test_a_reused_id_with_another_body_or_tenant_is_never_attached(retried: dict[str, Any]) -> None:
+    assert retried["other_body"]["attach"] == "new: its body differs from the checkpointed request's"
+    assert len(retried["other_body"]["choices"][0]["ids"]) == 8
+    assert retried["other_tenant"]["attach"] == "new: another tenant's request id"
+    # their engine requests ran under the restored id without its state
+    assert retried["connector"]["states_waiting"] == []
+    assert 'gpuckpt_continuations_total{event="attached"}' in retried["metrics"]
