@@ -10,7 +10,7 @@ SGPY     = $(SGVENV)/bin/python
 SGSTAMP  = $(SGVENV)/.installed
 ENGINE  ?= vllm
 
-.PHONY: test lint check bench bench-vllm demo demo-repo clean sglang-venv
+.PHONY: test lint check bench bench-vllm bench-retries demo demo-repo clean sglang-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ demo-repo: $(STAMP)
 
 bench-vllm: $(STAMP) $(SGSTAMP)
 	GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) bench/vllm_restore.py
+
+# What a restart costs the clients: retries served from restored continuations ÷ a cold restart.
+bench-retries: $(STAMP)
+	$(PY) bench/vllm_retries.py
 
 clean:
 	rm -rf $(VENV) $(SGVENV) .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache

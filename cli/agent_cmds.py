@@ -186,6 +186,10 @@ def status_cmd(
         ),
         ("last error", f"{err['operation']}: {err['error']} at {err['at']}" if err else "none"),
     ]
+    for rid, why in ((rr or {}).get("inexact") or {}).items():
+        rows.append((f"  {rid}", "replayed cold because " + "; ".join(why)))
+    for rid, why in ((rr or {}).get("left_to_client") or {}).items():
+        rows.append((f"  {rid}", f"not resubmitted: {why} (its client's retry computes it)"))
     main._console().print(main._kv_table(f"agent {st['worker_id']} (pid {st['pid']})", rows))
 
 
@@ -336,6 +340,23 @@ def worker_environment(environ: Mapping[str, str], key_source: str | None) -> di
     return {k: v for k, v in environ.items() if not k.startswith(AGENT_ONLY_PREFIXES) and k not in drop}
 
 
+#: how long a launched worker holds possible retries for its agent's restore at most
+RETRY_HOLD_S = 60.0
+
+
+def _has_checkpoint(ctx: typer.Context, repo: str | None, key: str | None, worker_id: str, base: Any) -> bool:
+    """Whether the agent will have something to restore (then the worker's server holds retries)."""
+    if base is not None and not base.restore.on_start:
+        return False
+    main = _main()
+    try:
+        with main._open_repo(ctx, repo, key) as r:
+            r.resolve(f"{worker_id}:latest")
+        return True
+    except (ckpt.GpuckptError, OSError):
+        return False
+
+
 def launch_cmd(
     ctx: typer.Context,
     command: Annotated[
@@ -379,12 +400,16 @@ def launch_cmd(
     except ckpt.ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
     base = config_mod.load(config) if config else None
+    # a restore follows this start: the worker's server holds possible retries until the agent says
+    # what it resubmits (vLLM; see agent.engines.vllm.middleware)
+    hold = RETRY_HOLD_S if _has_checkpoint(ctx, repo, key, worker_id, base) else 0.0
     try:
         argv = engine.worker_command(
             command,
             control_socket=str(connector),
             staging_dir=str(rdir / f"{worker_id}-staging"),
             shared_group=base.shared_group if base else None,
+            hold_retries_s=hold,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

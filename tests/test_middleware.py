@@ -40,7 +40,9 @@ def test_body_digest_is_canonical_and_logprobs_are_not_attachable() -> None:
     assert body_digest({"a": 1, "b": [1, 2]}) == body_digest({"b": [1, 2], "a": 1})
     assert body_digest({"a": 1}) != body_digest({"a": 2})
     assert not_attachable({"logprobs": 2}) is not None
+    assert not_attachable({"logprobs": 0}) is not None, "a completion's logprobs=0 still returns logprobs"
     assert not_attachable({"logprobs": True, "top_logprobs": 0}) is not None
+    assert not_attachable({"echo": True}) is not None
     assert not_attachable({"logprobs": False, "temperature": 0}) is None
 
 

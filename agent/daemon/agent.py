@@ -542,6 +542,7 @@ class Agent:
             self.last_error = {"at": _now(), "operation": "restore", "error": _describe(exc)}
             log.error("restore failed", extra={"checkpoint": info.id, "error": _describe(exc)})
             if client is not None:
+                _release_retries(client)
                 client.close()
             return rep
         outcome = "warm" if plan.warm else "cold"
@@ -552,6 +553,8 @@ class Agent:
             outcome=outcome,
             reasons=list(plan.reasons),
             requests=[r.request_id for r in plan.requests],
+            # per request, why it is replayed cold rather than continued exactly (GET /restore, status)
+            inexact={r.request_id: list(r.reasons) for r in plan.requests if not r.exact},
             blocks_offered=plan.blocks_offered,
             plan_s=round(time.monotonic() - t0, 3),
             canary=plan.stats.get("canary"),
@@ -560,6 +563,8 @@ class Agent:
             "restore planned",
             extra={"checkpoint": info.id, "outcome": outcome, "reasons": plan.reasons, "requests": len(plan.requests)},
         )
+        for rid, why in rep["inexact"].items():
+            log.warning("request replayed cold", extra={"request": rid, "reasons": why})
         if plan.rest is not None:
             rep["rest"] = {"state": "streaming"}
             threading.Thread(
@@ -575,6 +580,7 @@ class Agent:
             rep["resubmission"] = {"state": state, "requests": len(plan.requests)}
             rep["results"] = {}
             if client is not None:
+                _release_retries(client)
                 client.close()
         return rep
 
@@ -613,9 +619,13 @@ class Agent:
                 "prompt_tokens": len(r.token_ids),
                 "exact": not reasons,
                 "reasons": reasons,
+                "left_to_client": out.left_to_client,
             }
             if reasons and r.exact:
                 log.warning("resubmitted request replayed cold", extra={"request": r.request_id, "reasons": reasons})
+                rep.setdefault("inexact", {})[r.request_id] = reasons
+            if out.left_to_client:
+                rep.setdefault("left_to_client", {})[r.request_id] = out.left_to_client
         rep["resubmission"] = {"state": "done", "requests": len(requests)}
         rep["results"] = results
         log.info("resubmitted requests finished", extra={"requests": len(requests)})
@@ -668,6 +678,18 @@ class Agent:
         rr = self.restore_report
         rs = f"; restore {rr['outcome']}" if rr and rr.get("outcome") else ""
         return f"{self.state}: worker {self.cfg.worker_id}, {last}{rs}"
+
+
+def _release_retries(client: Any) -> None:
+    """Tell the worker's server that nothing will be resubmitted, where it holds possible retries
+    for the restore (a vLLM worker with gpuckpt's middleware); never fails the restore."""
+    release = getattr(client, "release", None)
+    if release is None:
+        return
+    try:
+        release()
+    except Exception as exc:
+        log.warning("could not release the worker's held retries", extra={"error": _describe(exc)})
 
 
 def _describe(exc: BaseException) -> str:

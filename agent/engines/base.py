@@ -278,9 +278,19 @@ class Engine(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def worker_command(
-        cls, command: list[str], *, control_socket: str, staging_dir: str | None, shared_group: str | None
+        cls,
+        command: list[str],
+        *,
+        control_socket: str,
+        staging_dir: str | None,
+        shared_group: str | None,
+        hold_retries_s: float = 0.0,
     ) -> list[str]:
-        """``command`` with this engine's gpuckpt adapter configured (its own flags, no patch)."""
+        """``command`` with this engine's gpuckpt adapter configured (its own flags, no patch).
+
+        ``hold_retries_s``: a restore will follow; where the engine's server can, requests that
+        may be retries (they carry an ``X-Request-Id``) wait up to this long for the agent to say
+        which requests it resubmits, so that a retry attaches instead of starting a duplicate."""
 
 
 def script_python(script: str) -> str:

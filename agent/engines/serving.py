@@ -32,6 +32,8 @@ class Completion:
     cached_tokens: int | None = None
     first_token_s: float | None = None  # from sending to the first token
     total_s: float = 0.0
+    #: not resubmitted, and why: its client's retry is served as a new request (computed once, there)
+    left_to_client: str | None = None
 
 
 def check_response(r: httpx.Response) -> None:

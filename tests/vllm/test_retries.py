@@ -17,16 +17,24 @@ checkpoint (warm, canary checked), the agent's path resubmits the ledger, and th
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from agent.engines import canary, driver
+from agent.engines import canary, control, driver
 from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
@@ -325,18 +333,20 @@ def test_each_retry_gets_the_whole_uninterrupted_answer(retried: dict[str, Any])
 
 
 def test_the_missing_tokens_are_generated_once(retried: dict[str, Any]) -> None:
-    resumed = sum(len(c.token_ids) for c in retried["resumed"].values())
-    # the logprobs request's retry is served as a new request: its tokens are generated again
+    resumed = retried["resumed"]
+    # the logprobs request's retry cannot be served from a continuation: it is left to the retry
+    assert "logprobs" in resumed["cmpl-logprobs-0"].left_to_client
+    assert resumed["cmpl-logprobs-0"].token_ids == []
     again = len(retried["reference"]["logprobs"]["choices"][0]["ids"])
-    assert retried["generated"] == resumed + again
-    missing = sum(
-        len(retried["reference"][k]["choices"][0 if not cid[0].isdigit() else int(cid[0])]["ids"])
-        - len(e["output_token_ids"])
-        for e in retried["checkpoint"].ledger.data["requests"]
-        for cid in [e["client_request_id"]]
-        for k in [cid.split("-")[1] if cid.startswith("cmpl") else cid.split("chatcmpl-")[1]]
-    )
-    assert resumed == missing
+    assert retried["generated"] == sum(len(c.token_ids) for c in resumed.values()) + again
+    for e in retried["checkpoint"].ledger.data["requests"]:
+        cid = e["client_request_id"]
+        if cid == "cmpl-logprobs-0":
+            continue
+        m = re.match(r"^(?:(\d+)_)?(?:chatcmpl-(.+)|cmpl-(.+)-0)$", cid)
+        assert m is not None, cid
+        ref = retried["reference"][m.group(2) or m.group(3)]["choices"][int(m.group(1) or 0)]["ids"]
+        assert len(resumed[cid].token_ids) == len(ref) - len(e["output_token_ids"]), cid
 
 
 def test_a_router_reissue_continues_exactly(retried: dict[str, Any]) -> None:
@@ -353,3 +363,137 @@ def test_a_reused_id_with_another_body_or_tenant_is_never_attached(retried: dict
     # their engine requests ran under the restored id without its state
     assert retried["connector"]["states_waiting"] == []
     assert 'gpuckpt_continuations_total{event="attached"}' in retried["metrics"]
+
+
+def _launch(model: Path, rdir: Path, repo: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "cli.main", "launch", "--worker-id", "w1", "--runtime-dir", str(rdir)]
+    argv += ["--repo", str(repo), "--", sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    argv += ["--model", str(model), "--port", str(port), *ARGS, "--served-model-name", "m"]
+    return subprocess.Popen(
+        argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **ENV}, start_new_session=True
+    )
+
+
+def _until(pred: Any, timeout: float, what: str, proc: subprocess.Popen[bytes], log: Path) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"launch exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+        if v := pred():
+            return v
+        time.sleep(0.25)
+    raise TimeoutError(f"{what}:\n{log.read_text()[-3000:]}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _kill_all(launch: subprocess.Popen[bytes], sock: Path) -> None:
+    """SIGKILL the launch process group and the worker's (launch starts it in a session of its own)."""
+    with contextlib.suppress(Exception):
+        os.killpg(os.getpgid(int(control.call(str(sock), "ping")["pid"])), signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launch.pid, signal.SIGKILL)
+    launch.wait()
+
+
+def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
+    tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The user's path: ``gpuckpt launch -- vllm serve``, clients with their own ids, a checkpoint
+    mid-decode, SIGKILL, a relaunch with the same worker id and repository: the clients' retries,
+    sent as soon as the port answers, wait for the agent's restore and get their whole answers,
+    and the status reports the restore."""
+    tmp = Path(tempfile.mkdtemp(prefix="gpr-", dir="/tmp"))
+    model = chat_model(tiny_llama_text, tmp_path_factory.mktemp("launch-model"))
+    repo = tmp / "repo"
+    reqs = {k: v for k, v in kinds(random.Random(9)).items() if k in ("greedy", "twice", "json", "topp", "logprobs")}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_a = tmp / "launch-a.log"
+    a = _launch(model, tmp / "run-a", repo, port, log_a)
+    sock_a = tmp / "run-a" / "w1-connector.sock"
+    ref: dict[str, Any] = {}
+    try:
+        _until(lambda: _healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
+        from agent.engines.vllm.serve import ServeClient
+
+        probe = canary.record(ServeClient(url).generate)
+        errors: list[BaseException] = []
+
+        def run(k: str) -> None:
+            try:
+                ref[k] = call(url, k, reqs[k][0], reqs[k][1])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in reqs]
+        live = sum(n for _, _, n in reqs.values())
+
+        def start() -> None:
+            for t in threads:
+                t.start()
+
+        driver.hold(str(sock_a), live, timeout=300)
+        when = {"live": live, "min_outputs": 40}
+        r = Repository.open(str(repo))
+        m = driver.checkpoint_around(str(sock_a), start, r, "w1", canary=probe, when=when, timeout=300)
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+    finally:
+        _kill_all(a, sock_a)
+    log_b = tmp / "launch-b.log"
+    b = _launch(model, tmp / "run-b", repo, port, log_b)
+    try:
+        _until(lambda: _healthy(url), 240, "the relaunched worker", b, log_b)
+        retries: dict[str, Any] = {}
+        errors = []
+
+        def retry(k: str) -> None:
+            try:
+                retries[k] = call(url, k, reqs[k][0], reqs[k][1])
+            except BaseException as exc:
+                errors.append(exc)
+
+        rthreads = [threading.Thread(target=retry, args=(k,)) for k in reqs]
+        for t in rthreads:
+            t.start()
+        for t in rthreads:
+            t.join(600)
+        assert not errors, errors
+        api = tmp / "run-b" / "w1.sock"
+
+        def done() -> dict[str, Any] | None:
+            st = subprocess.run(
+                [sys.executable, "-m", "cli.main", "status", "--agent", str(api), "--json"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            doc = json.loads(st.stdout) if st.returncode == 0 else None
+            rr = (doc or {}).get("restore") or {}
+            return doc if (rr.get("resubmission") or {}).get("state") == "done" else None
+
+        status = _until(done, 240, "the agent's resubmission", b, log_b)
+    finally:
+        _kill_all(b, tmp / "run-b" / "w1-connector.sock")
+    rr = status["restore"]
+    assert rr["outcome"] == "warm", rr
+    assert rr["checkpoint"] == m.id
+    assert sorted(rr["requests"]) == sorted(e["client_request_id"] for e in m.ledger.data["requests"])
+    # reported per request: the one whose retry cannot be served from a continuation is left to it
+    assert list(rr["left_to_client"]) == ["cmpl-logprobs-0"]
+    assert not rr.get("inexact"), rr["inexact"]
+    for k, want in ref.items():
+        got = retries[k]
+        expected = (
+            "new: logprobs of the tokens before the checkpoint are not carried" if k == "logprobs" else "attached"
+        )
+        assert got["attach"] == expected, (k, got["attach"])
+        for i, c in want["choices"].items():
+            assert (got["choices"][i]["ids"], got["choices"][i]["text"]) == (c["ids"], c["text"]), (k, i)
+            assert got["choices"][i]["finish"] == c["finish"], (k, i)

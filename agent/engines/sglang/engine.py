@@ -35,9 +35,16 @@ class SglangEngine(Engine):
 
     @classmethod
     def worker_command(
-        cls, command: list[str], *, control_socket: str, staging_dir: str | None, shared_group: str | None
+        cls,
+        command: list[str],
+        *,
+        control_socket: str,
+        staging_dir: str | None,
+        shared_group: str | None,
+        hold_retries_s: float = 0.0,
     ) -> list[str]:
-        """``python -m sglang.launch_server ARGS`` (or ``sglang serve ARGS``) with gpuckpt's linker."""
+        """``python -m sglang.launch_server ARGS`` (or ``sglang serve ARGS``) with gpuckpt's linker
+        (``hold_retries_s`` has no SGLang counterpart yet: its retries are not attached)."""
         from agent.engines.sglang.serve import linker_args
 
         argv = _launch_argv(command)

@@ -29,7 +29,13 @@ class VllmEngine(Engine):
 
     @classmethod
     def worker_command(
-        cls, command: list[str], *, control_socket: str, staging_dir: str | None, shared_group: str | None
+        cls,
+        command: list[str],
+        *,
+        control_socket: str,
+        staging_dir: str | None,
+        shared_group: str | None,
+        hold_retries_s: float = 0.0,
     ) -> list[str]:
         """``vllm serve MODEL ARGS`` (or the API server module) with the connector, gpuckpt's
         middleware (restored continuations reach the clients' retries), prefix caching and
@@ -37,7 +43,9 @@ class VllmEngine(Engine):
         argv = _api_server_argv(command)
         if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
             raise ValueError("the command already has --kv-transfer-config; launch sets it")
-        extra = {"shared_group": shared_group} if shared_group else {}
+        extra: dict[str, object] = {"shared_group": shared_group} if shared_group else {}
+        if hold_retries_s > 0:
+            extra["retry_hold_s"] = hold_retries_s
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(control_socket, staging_dir, **extra))]
         for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details"):
             if flag not in argv:

@@ -20,7 +20,8 @@ entry per request the scheduler held at the captured step boundary::
                         connector after the copy,
      "api": {"endpoint": "chat"|"completions", "body": sha256 of the
              request body, "tenant": sha256 of its Authorization header,
-             "n": choices, "logprobs": bool} | absent — version 3: the
+             "n": choices, "unattachable": why a retry cannot be served
+             from the continuation | null} | absent — version 3: the
              API-level facts gpuckpt's middleware (:mod:`.middleware`)
              recorded, so a client's retry can be matched to this entry}
 

@@ -7,7 +7,8 @@ completions endpoints (``POST /v1/chat/completions``, ``POST /v1/completions``):
 
 1. **Records the API-level facts** of every request the engine will see — the
    endpoint, a digest of the body and one of the ``Authorization`` header (the
-   tenant), ``n`` and whether it asked for logprobs — by adding them to the
+   tenant), ``n`` and why its retry could not be served from a continuation
+   (``unattachable``: it asked for logprobs, say) — by adding them to the
    body's ``vllm_xargs`` (``gpuckpt_api``). They reach the engine as
    ``SamplingParams.extra_args`` and so the checkpoint's ledger
    (:func:`agent.engines.vllm.ledger.api_facts`): the engine core never sees the
@@ -47,6 +48,7 @@ says so). Only ``EngineClient.generate``'s public signature is relied on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -87,13 +89,6 @@ WAIT_S = 60.0
 TOKEN_BYTES = 16
 
 _CTX: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("gpuckpt_call", default=None)
-_NOT_ATTACHABLE = (
-    ("logprobs", "logprobs of the tokens before the checkpoint are not carried"),
-    ("top_logprobs", "logprobs of the tokens before the checkpoint are not carried"),
-    ("prompt_logprobs", "prompt logprobs are not carried"),
-    ("echo", "echo is not carried"),
-    ("use_beam_search", "beam search is not carried"),
-)
 
 
 def body_digest(body: Mapping[str, Any]) -> str:
@@ -107,10 +102,17 @@ def tenant_digest(authorization: str | None) -> str:
 
 
 def not_attachable(body: Mapping[str, Any]) -> str | None:
-    """Why a request's retry cannot be served from a continuation, whatever it continues."""
-    for k, why in _NOT_ATTACHABLE:
-        if body.get(k) not in (None, False, 0) or (k == "logprobs" and body.get(k) is True):
-            return why
+    """Why a request's retry cannot be served from a continuation, whatever it continues (the
+    response would need what the checkpoint does not carry)."""
+    lp = body.get("logprobs")
+    if (lp is not None and lp is not False) or body.get("top_logprobs"):
+        return "logprobs of the tokens before the checkpoint are not carried"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt logprobs are not carried"
+    if body.get("echo"):
+        return "an echoed prompt is not carried"
+    if body.get("use_beam_search"):
+        return "beam search is not carried"
     return None
 
 
@@ -185,6 +187,8 @@ class Book:
         self.max_bytes, self.keep_s = max_bytes, keep_s
         self.items: OrderedDict[tuple[str, str], Continuation] = OrderedDict()
         self.expected: dict[tuple[str, str], float] = {}
+        #: restored requests the agent did not resubmit, and why (their retries are served anew)
+        self.left: dict[tuple[str, str], str] = {}
         self.arrived = asyncio.Event()
         self.counts: dict[str, int] = {}
 
@@ -464,6 +468,10 @@ class _Server:
     book: Book
     token: str | None
     wait_s: float
+    #: a restore will follow this start: requests that may be retries wait for the agent's ``expect``
+    #: (which releases them) until this ``time.monotonic()``
+    hold_until: float = 0.0
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class GpuckptMiddleware:
@@ -485,7 +493,13 @@ class GpuckptMiddleware:
                 max_bytes=int(extra.get("continuations_max_bytes", MAX_BYTES)),
                 keep_s=float(extra.get("continuations_keep_s", KEEP_S)),
             )
-            self._server = _Server(book, _write_token(extra), float(extra.get("continuations_wait_s", WAIT_S)))
+            hold = float(extra.get("retry_hold_s", 0.0))
+            self._server = _Server(
+                book,
+                _write_token(extra),
+                float(extra.get("continuations_wait_s", WAIT_S)),
+                hold_until=time.monotonic() + hold if hold > 0 else 0.0,
+            )
         ec = getattr(state, "engine_client", None)
         if ec is not None and not isinstance(ec, _Wrapped):
             wrapped = _Wrapped(ec, self._server.book)
@@ -563,11 +577,11 @@ class GpuckptMiddleware:
             "body": body_digest(doc),
             "tenant": tenant,
             "n": int(doc.get("n") or 1),
-            "logprobs": bool(doc.get("logprobs") or doc.get("top_logprobs")),
+            "unattachable": not_attachable(doc),
         }
         call: _Call | None = None
         if RESUBMIT_HEADER in headers:
-            if not server.token or not hmac.compare_digest(headers.get(TOKEN_HEADER, ""), server.token):
+            if not _authentic(server, headers):
                 raise _Refuse(403, "gpuckpt: a resubmission needs this worker's token")
             info = json.loads(headers[RESUBMIT_HEADER])
             api = info.get("api") or {}
@@ -578,9 +592,19 @@ class GpuckptMiddleware:
             facts = api or facts
         elif REISSUE_HEADER in headers and endpoint == "completions" and (base := headers.get("x-request-id")):
             call = await self._reissue(server, base, tenant, doc)
+        elif _authentic(server, headers):
+            pass  # the agent's own request (the canary): never held, never attached
         elif base := headers.get("x-request-id"):
+            if (left := server.hold_until - time.monotonic()) > 0:
+                # the agent has yet to say what it resubmits: a retry must not start a duplicate
+                try:
+                    await asyncio.wait_for(server.released.wait(), left)
+                except TimeoutError:
+                    server.hold_until = 0.0
             key = (base, endpoint)
             cont = book.get(base, endpoint)
+            if cont is None and key in book.left:
+                call = _Call("new", outcome=f"new: {book.left[key]}")
             if (cont is None or len(cont.choices) < cont.n) and key in book.expected:
                 cont = await _wait_for(book, key, server.wait_s)
             if cont is not None:
@@ -631,6 +655,12 @@ class _Refuse(Exception):
         self.status, self.message = status, message
 
 
+def _authentic(server: _Server, headers: Mapping[str, str]) -> bool:
+    """The request carries this worker's token: it is the agent's."""
+    given = headers.get(TOKEN_HEADER, "").encode("latin-1", "replace")
+    return bool(server.token) and hmac.compare_digest(given, (server.token or "").encode())
+
+
 async def _wait_for(book: Book, key: tuple[str, str], wait_s: float) -> Continuation | None:
     """A retry that came before the agent's resubmission of its request (of each of its choices):
     wait (bounded) for it."""
@@ -647,19 +677,25 @@ async def _wait_for(book: Book, key: tuple[str, str], wait_s: float) -> Continua
 async def _expect(server: _Server, headers: dict[str, str], body: bytes, send: Any) -> None:
     """``POST /gpuckpt/v1/expect`` (the agent, with the token): these ledger ids are about to be
     resubmitted; a retry of one of them waits for its continuation instead of starting anew."""
-    if not server.token or not hmac.compare_digest(headers.get(TOKEN_HEADER, ""), server.token):
+    if not _authentic(server, headers):
         return await _json(send, 403, {"error": {"message": "gpuckpt: expect needs this worker's token"}})
     try:
         doc = json.loads(body)
-        ids = [(str(r["id"]), int(r.get("n") or 1)) for r in doc["requests"]]
+        ids = [(str(r["id"]), int(r.get("n") or 1), r.get("left")) for r in doc["requests"]]
         wait_s = min(float(doc.get("wait_s", server.wait_s)), 600.0)
     except (ValueError, KeyError, TypeError) as exc:
         return await _json(send, 400, {"error": {"message": f"gpuckpt: bad expect body: {exc}"}})
     deadline = time.monotonic() + wait_s
+    server.hold_until = 0.0
+    server.released.set()
     n = 0
-    for cid, choices in ids:
+    for cid, choices, left in ids:
         parsed = parse_id(cid, choices)
-        if parsed is not None:
+        if parsed is None:
+            continue
+        if left:
+            server.book.left[parsed[:2]] = str(left)[:200]
+        else:
             server.book.expected[parsed[:2]] = deadline
             n += 1
     await _json(send, 200, {"expected": n})
@@ -703,10 +739,19 @@ def _write_token(extra: Mapping[str, Any]) -> str | None:
     sock = extra.get("control_socket")
     if not sock:
         return None
+    try:
+        return _write_token_file(str(sock), extra.get("shared_group"))
+    except (OSError, KeyError, ValueError) as exc:
+        log.error("gpuckpt: no resubmission token (retries will not attach): %s", exc)
+        return None
+
+
+def _write_token_file(sock: str, group: Any) -> str:
     token = secrets.token_urlsafe(32)
     p = token_path(str(sock))
     tmp = p.with_name(f".{p.name}.{os.getpid()}")
-    group = extra.get("shared_group")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a killed server with this pid
     mode = 0o640 if group else 0o600
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:

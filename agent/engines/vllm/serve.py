@@ -37,6 +37,7 @@ serve`` runs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -52,6 +53,8 @@ from agent.engines.base import Resubmission
 from agent.engines.serving import Completion, ServeError, WorkerProcess, check_response
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
 from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER, token_path
+
+log = logging.getLogger("gpuckpt.serve")
 
 CONNECTOR = "GpuckptConnector"
 #: vLLM's ``--middleware`` that keeps restored continuations for the clients' retries
@@ -162,6 +165,7 @@ class ServeClient:
         self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
         self._model = model
         self._token_file, self._trust = token_file, trust
+        self._token: str | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -230,7 +234,9 @@ class ServeClient:
         if priority:
             body["priority"] = priority
         rid = request_id or f"gpuckpt-{uuid.uuid4().hex}"
-        headers = {"X-Request-Id": rid, **(headers or {})}
+        token = self.token()
+        # the agent's own requests (the canary) are never taken for a client's retry: not held
+        headers = {"X-Request-Id": rid, **({TOKEN_HEADER: token} if token else {}), **(headers or {})}
         out = Completion(rid)
         t0 = time.monotonic()
         if not stream:
@@ -285,22 +291,46 @@ class ServeClient:
         """The worker's resubmission token (``None``: no token file, e.g. no gpuckpt middleware)."""
         if self._token_file is None:
             return None
+        if self._token is not None:
+            return self._token
         from agent import fs
 
         try:
             fd = fs.open_checked(self._token_file, directory=None, trust=self._trust or fs.Trust.of())
         except FileNotFoundError:
             return None
+        except (OSError, fs.UnsafePath) as exc:
+            # resubmissions still run, as plain requests: only the clients' retries lose the attach
+            log.warning("gpuckpt: the worker's resubmission token is not usable: %s", exc)
+            return None
         with os.fdopen(fd, "rb") as f:
-            return f.read(256).decode("ascii", "replace").strip() or None
+            self._token = f.read(256).decode("ascii", "replace").strip() or None
+        return self._token
 
-    def expect(self, requests: Sequence[Resubmission], token: str, wait_s: float = 60.0) -> int:
+    def expect(
+        self, requests: Sequence[Resubmission], token: str, wait_s: float = 60.0, left: dict[str, str] | None = None
+    ) -> int:
         """Tell the worker's middleware these requests are about to be resubmitted: their clients'
-        retries wait for the continuations instead of starting anew. Returns how many it expects."""
-        body = {"requests": [{"id": r.request_id, "n": (r.api or {}).get("n", 1)} for r in requests], "wait_s": wait_s}
+        retries wait for the continuations instead of starting anew (``left``: those that are
+        not, and why, which their retries' response headers then say). Returns how many it
+        expects."""
+        left = left or {}
+        body = {
+            "requests": [
+                {"id": r.request_id, "n": (r.api or {}).get("n", 1), "left": left.get(r.request_id)} for r in requests
+            ],
+            "wait_s": wait_s,
+        }
         r = self._http.post(EXPECT_PATH, json=body, headers={TOKEN_HEADER: token})
         check_response(r)
         return int(r.json().get("expected", 0))
+
+    def release(self) -> None:
+        """Nothing will be resubmitted: the worker's middleware stops holding possible retries
+        (``retry_hold_s``, set when a restore was to follow its start)."""
+        token = self.token()
+        if token is not None:
+            self.expect([], token)
 
     def submit(self, requests: Iterable[Resubmission], *, max_concurrency: int = 64) -> dict[str, Completion]:
         """Resubmit a restored ledger; returns each request's completion under its original id.
@@ -315,8 +345,17 @@ class ServeClient:
         if not reqs:
             return {}
         token = self.token()
+        left: dict[str, Completion] = {}
         if token is not None:
-            self.expect(reqs, token)
+            # a continuation its client cannot collect (the middleware serves such a retry as a new
+            # request) would be computed twice: leave it to the retry
+            for r in reqs:
+                if why := (r.api or {}).get("unattachable"):
+                    left[r.request_id] = Completion(r.request_id, left_to_client=why)
+            self.expect(reqs, token, left={rid: c.left_to_client or "" for rid, c in left.items()})
+            reqs = [r for r in reqs if r.request_id not in left]
+        if not reqs:
+            return left
 
         def extra(r: Resubmission) -> dict[str, str] | None:
             if token is None:
@@ -337,7 +376,7 @@ class ServeClient:
                 )
                 for r in reqs
             }
-            return {rid: f.result() for rid, f in futs.items()}
+            return {**left, **{rid: f.result() for rid, f in futs.items()}}
 
 
 class ServeProcess(WorkerProcess):

@@ -1,0 +1,187 @@
+"""`make bench-retries`: what a restart costs the clients, with gpuckpt and with a cold restart.
+
+Eight clients stream completions of ``--tokens`` tokens each (greedy and seeded) from a ``vllm
+serve`` worker (CPU build, a generated Llama, gpuckpt's connector and middleware). At
+``--cut`` tokens each, the worker is checkpointed and SIGKILLed: every stream breaks. Then,
+measured from the moment the new worker's API answers, with each client retrying its call
+(same ``X-Request-Id``, same body) at once:
+
+- **gpuckpt**: the new worker restores the checkpoint and the agent's path resubmits the
+  ledger; the retries wait for it (the worker holds possible retries until the agent says what it
+  resubmits, as ``gpuckpt launch`` configures it) and are served the whole answer from the
+  continuations;
+- **cold**: a fresh worker; the retries recompute everything.
+
+It prints each client's time to its complete answer, the ratio of the two restarts (mean and
+last client; target ≤ 0.5), and the tokens the engine generated after the restart ÷ the tokens
+that were still missing at the cut (the engine's own ``vllm:generation_tokens_total``; target
+≤ 1.05; a cold restart's is tokens ÷ (tokens - cut)). The gpuckpt answers are checked against
+the cold ones for the greedy requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_common import WORKER_ENV, free_port, make_model, worker_args
+
+from agent.engines import canary, driver
+from agent.engines.vllm.middleware import ATTACH_HEADER
+from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
+from ckpt import Repository
+
+VOCAB = 2048
+
+
+def stream(url: str, rid: str, body: dict[str, Any], t0: float, out: dict[str, Any]) -> None:
+    """One client call, streamed: its tokens, when it completed (from ``t0``), the attach header."""
+    ids: list[int] = []
+    try:
+        with (
+            httpx.Client(timeout=900) as h,
+            h.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}) as r,
+        ):
+            out["attach"] = r.headers.get(ATTACH_HEADER)
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for ch in json.loads(line[6:]).get("choices") or ():
+                        ids += ch.get("token_ids") or []
+        out["done_s"] = time.monotonic() - t0
+    except httpx.HTTPError as exc:
+        out["error"] = str(exc)
+    out["ids"] = ids
+
+
+def generated(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise RuntimeError("no vllm:generation_tokens_total in /metrics")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default=".demo")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--cut", type=int, default=500)
+    a = ap.parse_args()
+    work = Path(a.workdir).resolve()
+    run = work / time.strftime("retries-%Y%m%dT%H%M%S")
+    run.mkdir(parents=True, mode=0o700)
+    model = str(make_model(work / "models", layers=4, hidden=512, heads=8, kv_heads=4, vocab=VOCAB, dtype="float32"))
+    repo = Repository.open(str(run / "repo"), create=True)
+    rng = random.Random(7)
+    system = [rng.randrange(3, VOCAB) for _ in range(200)]
+    bodies = {}
+    for i in range(a.requests):
+        sampling: dict[str, Any] = {"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "seed": 100 + i}
+        bodies[f"client{i}"] = {
+            "model": model,
+            "prompt": system + [rng.randrange(3, VOCAB) for _ in range(100 + 20 * i)],
+            "max_tokens": a.tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            **sampling,
+        }
+
+    def worker(name: str, **extra: Any) -> ServeProcess:
+        sock, stage = str(run / f"{name}.sock"), str(run / f"stage-{name}")
+        w = ServeProcess(
+            model,
+            sock,
+            port=free_port(),
+            log_path=str(run / f"{name}.log"),
+            staging_dir=stage,
+            args=worker_args(max_model_len=2048),
+            env=WORKER_ENV,
+            kv_config=kv_transfer_config(sock, stage, **extra),
+        )
+        w.wait_ready()
+        return w
+
+    # -- the worker that is preempted at the cut
+    with worker("a") as w:
+        probe = canary.record(w.client.generate)
+        dead: dict[str, dict[str, Any]] = {k: {} for k in bodies}
+        threads = [
+            threading.Thread(target=stream, args=(w.url, k, b, 0.0, dead[k]), daemon=True) for k, b in bodies.items()
+        ]
+
+        def start() -> None:
+            for t in threads:
+                t.start()
+
+        driver.hold(w.control_socket, len(bodies), timeout=300)
+        when = {"live": len(bodies), "min_outputs": a.cut}
+        m = driver.checkpoint_around(w.control_socket, start, repo, "w0", canary=probe, when=when, timeout=900)
+        w.kill()
+    assert m.ledger is not None
+    missing = sum(a.tokens - len(e["output_token_ids"]) for e in m.ledger.data["requests"])
+    print(f"checkpoint {m.id}: {len(m.ledger.data['requests'])} requests cut at {a.cut}+ tokens; {missing} missing")
+
+    def clients(url: str) -> tuple[dict[str, dict[str, Any]], float]:
+        t0 = time.monotonic()
+        res: dict[str, dict[str, Any]] = {k: {} for k in bodies}
+        ts = [threading.Thread(target=stream, args=(url, k, b, t0, res[k])) for k, b in bodies.items()]
+        for t in ts:
+            t.start()
+        return res, t0
+
+    # -- gpuckpt: restore + resubmission (the agent's path) beside the clients' retries
+    with worker("b", retry_hold_s=60) as w:
+        g0 = generated(w.url)
+        res_b, _ = clients(w.url)
+        plan = driver.restore(
+            repo, m.id, w.control_socket, staging_dir=str(run / "stage-b"), generate=w.client.generate
+        )
+        w.client.submit(plan.requests)
+        while any("ids" not in r for r in res_b.values()):
+            time.sleep(0.05)
+        gen_b = generated(w.url) - g0
+        warm = plan.warm
+    # -- cold: a fresh worker, the clients recompute
+    with worker("c") as w:
+        g0 = generated(w.url)
+        res_c, _ = clients(w.url)
+        while any("ids" not in r for r in res_c.values()):
+            time.sleep(0.05)
+        gen_c = generated(w.url) - g0
+
+    print(f"\n{'client':<10}{'gpuckpt s':>10}{'cold s':>9}  attach     same as cold")
+    for k in bodies:
+        b, c = res_b[k], res_c[k]
+        same = "yes" if b["ids"] == c["ids"] else ("n/a (sampled)" if "seed" in bodies[k] else "NO")
+        print(
+            f"{k:<10}{b.get('done_s', float('nan')):>10.2f}{c.get('done_s', float('nan')):>9.2f}  "
+            f"{b.get('attach')!s:<10} {same}"
+        )
+    mean_b = sum(r["done_s"] for r in res_b.values()) / len(res_b)
+    mean_c = sum(r["done_s"] for r in res_c.values()) / len(res_c)
+    last_b, last_c = max(r["done_s"] for r in res_b.values()), max(r["done_s"] for r in res_c.values())
+    print(f"\nrestore warm: {warm}")
+    print(
+        f"time to complete answers, gpuckpt ÷ cold: mean {mean_b / mean_c:.2f}, last {last_b / last_c:.2f}"
+        "  (target ≤ 0.5)"
+    )
+    print(
+        f"generated after the restart ÷ missing: gpuckpt {gen_b / missing:.3f} (target ≤ 1.05), "
+        f"cold {gen_c / missing:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
