@@ -134,6 +134,37 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
             {"messages": chat(21), "temperature": 1.0, "top_p": 0.9, "seed": 11, "max_tokens": N, **NOEOS},
             1,
         ),
+        "mixed": (
+            "completions",
+            {
+                "prompt": words(28),
+                "temperature": 0.7,
+                "top_k": 20,
+                "min_p": 0.05,
+                "seed": 5,
+                "repetition_penalty": 1.2,
+                "logit_bias": {"7": -5.0},
+                "bad_words": ["fox"],
+                "min_tokens": 100,
+                "stop_token_ids": [3],
+                "max_tokens": N,
+                **NOEOS,
+                "stream": True,
+            },
+            1,
+        ),
+        "regex": (
+            "chat",
+            {
+                "messages": chat(19),
+                "temperature": 0.0,
+                "max_tokens": 400,
+                "structured_outputs": {"regex": "(alpha|beta|gamma|delta)(,(alpha|beta|gamma|delta)){59}"},
+                "return_token_ids": True,
+                "stream": False,
+            },
+            1,
+        ),
     }
 
 
@@ -308,6 +339,8 @@ def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: d
         "chatcmpl-json",
         "chatcmpl-penalised",
         "chatcmpl-topp",
+        "cmpl-mixed-0",
+        "chatcmpl-regex",
     }
     for cid, e in entries.items():
         assert e["exact"], (cid, e["inexact_reasons"])
