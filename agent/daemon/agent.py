@@ -597,7 +597,8 @@ class Agent:
         A request whose carried state the worker never applied is reported a cold replay."""
         rep["resubmission"] = {"state": "running", "requests": len(requests)}
         try:
-            outs = client.submit(requests)
+            # one response per request: nobody watches the agent's streams, the clients' retries do
+            outs = client.submit(requests, stream=False)
         except Exception as exc:
             rep["resubmission"] = {"state": "failed", "error": _describe(exc)}
             log.error("resubmission failed", extra={"error": _describe(exc)})

@@ -150,6 +150,14 @@ class Choice:
     def tokens(self) -> list[int]:
         return self.earlier + self.new
 
+    def count(self) -> int:
+        return len(self.earlier) + len(self.new)
+
+    def since(self, i: int) -> list[int]:
+        """The output tokens from position ``i`` on (without copying the whole output)."""
+        e = len(self.earlier)
+        return self.new[i - e :] if i >= e else self.earlier[i:] + self.new
+
 
 @dataclass
 class Continuation:
@@ -345,10 +353,21 @@ class _Wrapped:
         kept = self._book.register(call.cid, call.api, ids, call.prompt_len) if ids is not None and call.api else None
         cont, ch = kept if kept is not None else (None, None)
         call.outcome = "kept" if kept is not None else "new: not kept (no API facts, or over the bound)"
+        engine_sp = sp
+        if ch is not None:
+            from vllm.sampling_params import RequestOutputKind
+
+            if getattr(sp, "output_kind", RequestOutputKind.DELTA) != RequestOutputKind.DELTA:
+                # the continuation is kept token by token whatever the agent asked for; the agent
+                # gets one response at the end (a resubmission that streams to nobody costs the
+                # API server a chunk per token)
+                engine_sp = sp.clone()
+                engine_sp.output_kind = RequestOutputKind.DELTA
         # under the ledger's own id: the connector hands the carried state to exactly this request
-        inner = real(prompt, sp, call.cid, *args, **kw)
+        inner = real(prompt, engine_sp, call.cid, *args, **kw)
 
         async def tee() -> AsyncGenerator[Any, None]:
+            merged = None
             try:
                 async for ro in inner:
                     if ch is not None and cont is not None:
@@ -357,7 +376,14 @@ class _Wrapped:
                             if out.finish_reason is not None:
                                 ch.finish_reason, ch.stop_reason, ch.done = out.finish_reason, out.stop_reason, True
                         cont.notify()
-                    yield ro
+                    if engine_sp is sp:
+                        yield ro
+                    elif merged is None:
+                        merged = ro
+                    else:
+                        merged.add(ro, aggregate=True)
+                if merged is not None:
+                    yield merged
             finally:
                 if ch is not None and cont is not None and not ch.done:
                     ch.finish_reason, ch.done = "abort", True
@@ -406,18 +432,18 @@ class _Wrapped:
                 st = state[c.index]
                 if st["finish"] is not None:
                     continue
-                toks = c.tokens()
-                fresh = toks[st["read"] :]
+                total = c.count()
+                fresh = c.since(st["read"])
                 at_end = c.done
                 if fresh:
                     stop_term = at_end and c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
                     stop_str = st["detok"].update(fresh, stop_term)
-                    st["read"] = len(toks)
+                    st["read"] = total
                     if stop_str is not None:
                         st["finish"], st["stop"] = "stop", stop_str
                         if not c.done:
                             stopped_early.append(c.index)
-                if st["finish"] is None and at_end and st["read"] >= len(toks):
+                if st["finish"] is None and at_end and st["read"] >= total:
                     st["finish"], st["stop"] = c.finish_reason, c.stop_reason
                 finished = st["finish"] is not None
                 all_ids = st["detok"].output_token_ids

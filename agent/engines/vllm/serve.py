@@ -332,14 +332,19 @@ class ServeClient:
         if token is not None:
             self.expect([], token)
 
-    def submit(self, requests: Iterable[Resubmission], *, max_concurrency: int = 64) -> dict[str, Completion]:
+    def submit(
+        self, requests: Iterable[Resubmission], *, max_concurrency: int = 64, stream: bool = True
+    ) -> dict[str, Completion]:
         """Resubmit a restored ledger; returns each request's completion under its original id.
 
         The completions hold only the new tokens; a request's whole output is
         ``r.output_token_ids + result[r.request_id].token_ids``. With gpuckpt's
         middleware on the worker (its token file readable), each runs under
         its ledger id and its continuation is kept there for the client's
-        retry (:mod:`agent.engines.vllm.middleware`).
+        retry (:mod:`agent.engines.vllm.middleware`). ``stream=False`` asks for
+        one response per request (the agent's own resubmission, which nobody
+        watches: the server then spends nothing per token on it; the
+        continuation is still kept token by token for the retries).
         """
         reqs = list(requests)
         if not reqs:
@@ -373,6 +378,7 @@ class ServeClient:
                     cache_salt=r.cache_salt,
                     priority=r.priority,
                     headers=extra(r),
+                    stream=stream,
                 )
                 for r in reqs
             }
