@@ -58,6 +58,7 @@ from typing import Any
 from ckpt import document
 from ckpt.errors import (
     AccessDenied,
+    ConfigError,
     GpuckptError,
     ObjectNotFound,
     OperationAborted,
@@ -238,11 +239,31 @@ def probe_store_now(store: Store) -> float:
             store.delete(name)
 
 
+#: set to ``1`` by test suites only: lets ``unlock`` and ``gc`` take locks for stale sooner than
+#: :data:`DEFAULT_STALE_AFTER`
+SHORT_STALE_ENV = "GPUCKPT_TEST_SHORT_STALE_LIMITS"
+
+
+def check_stale_limit(stale_after: float) -> None:
+    """Refuse (:class:`ConfigError`) a stale limit below the default: a live save refreshes its
+    lock every third of the default, so a shorter limit can take it for stale, and a gc then
+    deletes what it deduplicated against (its commit re-checks would abort it: a lost save)."""
+    if stale_after < DEFAULT_STALE_AFTER and os.environ.get(SHORT_STALE_ENV) != "1":
+        raise ConfigError(
+            f"a stale limit of {stale_after:.0f}s is below the default of {DEFAULT_STALE_AFTER:.0f}s: live saves "
+            f"refresh their locks every {DEFAULT_STALE_AFTER / 3:.0f}s and would be taken for stale; refusing "
+            f"(a dead holder on this host is stale at once; --remove-all removes every lock)"
+        )
+
+
 def remove_stale_locks(
     store: Store, stale_after: float = DEFAULT_STALE_AFTER, *, keep: str | None = None, everything: bool = False
 ) -> list[LockInfo]:
     """Delete the locks that are stale (by the store's clock, or a dead holder on this host), or
-    with ``everything`` every lock but ``keep``; returns what was removed. Released markers go too."""
+    with ``everything`` every lock but ``keep``; returns what was removed. Released markers go too.
+    A ``stale_after`` below the default is refused (:func:`check_stale_limit`)."""
+    if not everything:
+        check_stale_limit(stale_after)
     now = probe_store_now(store) if keep is None else store_now(store, keep)
     removed = []
     for o in store.list(PREFIX):
@@ -287,6 +308,8 @@ class Lock:
         self._last_write = 0.0  # _boottime() of the last successful write
         self._acquired = 0.0  # _boottime() when acquiring began
         self._max_gap = 0.0  # the longest time between two successful writes
+        #: why the lock is lost (removed from the store), seen by a refresh: never written again
+        self._lost: str | None = None
         self._thread: threading.Thread | None = None
         deadline = time.monotonic() + wait
         while True:
@@ -335,6 +358,17 @@ class Lock:
                 if self._released:
                     return
                 try:
+                    # a lock someone removed (as stale) is lost for good: writing it again would
+                    # hide that a gc may already have deleted what this holder uses
+                    self.store.stat(self.name)
+                except ObjectNotFound:
+                    self._lost = "was removed from the store while held (by `gpuckpt unlock` or a gc)"
+                    log.error("lock removed while held", extra={"object": self.name})
+                    return
+                except GpuckptError as exc:
+                    self._refresh_failed = str(exc)
+                    continue
+                try:
                     self._write()
                     self._refresh_failed = None
                 except GpuckptError as exc:
@@ -359,6 +393,12 @@ class Lock:
         the one this holder judged theirs by.
         """
         limit = self.stale_after if stale_after is None else stale_after
+        if self._lost is not None:
+            raise OperationAborted(f"lock {self.name} {self._lost}; not committing")
+        # On the store, not in memory: `gpuckpt unlock` or another process's gc may have removed it
+        # (taken it for stale) whatever this process's clocks say. First: the time checks below
+        # then also cover however long this read took.
+        self._check_own(self.store)
         if max_held is not None and self.held_for() > max_held:
             raise OperationAborted(
                 f"this save has run {self.held_for():.0f}s, longer than the repository's limit of "
@@ -374,6 +414,18 @@ class Lock:
             raise OperationAborted(
                 f"lock {self.name} was last refreshed {age:.0f}s ago (stale after {limit:.0f}s); not committing"
             )
+
+    def _check_own(self, store: Store) -> None:
+        """Raise :class:`OperationAborted` unless the lock object on the store is this holder's."""
+        try:
+            info = read_lock(store, self.name)
+        except GpuckptError as exc:
+            raise OperationAborted(f"lock {self.name} could not be read back ({exc}); not committing") from None
+        if info is None:
+            self._lost = "was removed from the store (by `gpuckpt unlock` or a gc that took it for stale)"
+            raise OperationAborted(f"lock {self.name} {self._lost}; not committing")
+        if info.problem or info.released or info.pid != os.getpid() or info.created != self._created:
+            raise OperationAborted(f"lock {self.name} on the store is not this holder's any more; not committing")
 
     def _remove(self) -> None:
         try:

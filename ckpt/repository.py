@@ -49,7 +49,7 @@ from ckpt.index import PREFIX as INDEX_PREFIX
 from ckpt.index import MasterIndex, PackRecord, encode_index, index_name
 from ckpt.keys import ALG, Keyring, KeySource
 from ckpt.load import BlockFailure, decode_blob, load_blocks
-from ckpt.lock import DEFAULT_STALE_AFTER, Lock, remove_stale_locks, store_now
+from ckpt.lock import DEFAULT_STALE_AFTER, Lock, check_stale_limit, remove_stale_locks, store_now
 from ckpt.lock import PREFIX as LOCK_PREFIX
 from ckpt.manifest import (
     DEFAULT_MAX_BYTES,
@@ -731,6 +731,7 @@ class Repository:
         manifest cannot be fetched, nothing is deleted; one that was fetched
         and does not read is reported and protects nothing.
         """
+        check_stale_limit(stale_lock_after)
         if not 0.0 <= repack_below <= 1.0:
             raise ConfigError("repack_below must be between 0 and 1")
         delay = delete_delay.total_seconds() if delete_delay is not None else 2 * self.max_save_seconds

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ckpt import checksum as cks
 from ckpt.blocks import DTYPES, Block, Existing, Namespace
 from ckpt.codecs import AesGcm, BytePlane, Codec, CodecContext, Pipeline, Zstd
-from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, OperationAborted
+from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, ObjectNotFound, OperationAborted
 from ckpt.index import PackRecord, encode_index, index_name
 from ckpt.manifest import (
     BlockRef,
@@ -514,6 +514,88 @@ def store_blocks(
     }
 
 
+def _dedup_packs(entries: dict[str, BlobEntry], written: Iterable[PackRecord]) -> set[str]:
+    return {e.pack for e in entries.values()} - {p.id for p in written}
+
+
+def _gone(repo: Repository, packs: Iterable[str]) -> list[str]:
+    """The packs of ``packs`` whose objects are not on the store (stat in parallel)."""
+    names = sorted(packs)
+    if not names:
+        return []
+
+    def gone(pid: str) -> bool:
+        try:
+            repo.store.stat(pack_name(pid))
+            return False
+        except ObjectNotFound:
+            return True
+
+    with ThreadPoolExecutor(min(8, len(names))) as ex:
+        return [pid for pid, g in zip(names, ex.map(gone, names), strict=True) if g]
+
+
+#: rounds of :func:`carry_forward` before a save gives up on a gc that keeps condemning its packs
+CARRY_ROUNDS = 3
+
+
+def carry_forward(
+    repo: Repository, entries: dict[str, BlobEntry], written: list[PackRecord]
+) -> tuple[dict[str, BlobEntry], list[PackRecord]]:
+    """Before a commit, on the store: every pack the save deduplicated against must still be there,
+    and one a gc condemned or superseded meanwhile (what gc publishes is always visible before it
+    deletes) has this save's blobs copied out of it, verbatim and verified, into a new pack — the
+    manifest then names the copy, never a pack a gc is about to delete. Needs no clock: however
+    long the save stalled, and whatever the store's clock did. A pack that is gone, or a blob that
+    does not verify, aborts the save (:class:`OperationAborted`, naming the pack). Returns the
+    entries to commit and the packs written here (indexed already)."""
+    deduped = _dedup_packs(entries, written)
+    if not deduped:
+        return entries, []
+    repo.index.refresh(repo.store, repo.keyring)
+    missing = _gone(repo, deduped)
+    if missing:
+        raise OperationAborted(
+            f"{len(missing)} pack(s) this save deduplicated against are gone from the store "
+            f"(first: {missing[0]}); not committing"
+        )
+    doomed = deduped & (repo.index.superseded | repo.index.condemned.keys())
+    if not doomed:
+        return entries, []
+    moved: dict[str, BlobEntry] = {}
+    out: list[PackRecord] = []
+    pw = PackWriter(secrets.token_hex(16), repo.config.pack_size + (1 << 20))
+    for pid in sorted(doomed):
+        try:
+            data = memoryview(repo.store.get(pack_name(pid)))
+        except ObjectNotFound:
+            raise OperationAborted(f"pack {pid} was deleted while this save copied out of it; not committing") from None
+        for bid, e in entries.items():
+            if e.pack != pid:
+                continue
+            blob = data[e.offset : e.offset + e.length]
+            try:
+                cks.verify(blob, e.checksum, obj=pack_name(pid), blob=bid)
+            except GpuckptError as exc:
+                raise OperationAborted(
+                    f"a blob of condemned pack {pid} does not verify ({exc}); not committing"
+                ) from None
+            pw.add(bid, blob, e.raw_length, e.checksum, e.raw_checksum, e.codec)
+    raw = pw.finish(repo.keyring)
+    repo.store.put(pw.name, raw)
+    rec = PackRecord(pw.id, len(raw), tuple(pw.entries))
+    out.append(rec)
+    name = index_name(secrets.token_hex(16))
+    repo.store.put(name, encode_index(name, out, repo.keyring))
+    repo.index.add(name, out)
+    for e in pw.entries:
+        moved[e.id] = e
+    log.info(
+        "copied blobs out of condemned packs before the commit", extra={"packs": sorted(doomed), "blobs": len(moved)}
+    )
+    return {**entries, **moved}, out
+
+
 def save_checkpoint(
     repo: Repository,
     blocks: Iterable[Block | Existing],
@@ -545,6 +627,14 @@ def save_checkpoint(
     started = datetime.now(UTC)
     saver, refs, entries, written = _write_blobs(repo, blocks, namespace, options, progress, deadline, cancel)
     t_blocks = time.monotonic() - t0
+    # the last look at the packs on the store before the commit (a round that copied re-checks the others)
+    for _ in range(CARRY_ROUNDS):
+        entries, copied = carry_forward(repo, entries, written)
+        written = [*written, *copied]
+        if not copied:
+            break
+    else:
+        raise OperationAborted(f"gc kept condemning packs this save uses through {CARRY_ROUNDS} rounds; not committing")
 
     codec_table: dict[str, int] = {}
     block_refs = []

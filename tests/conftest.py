@@ -32,6 +32,9 @@ _S3_ENV_CLEARED = (
     "GPUCKPT_S3_ENDPOINT",
 )
 _bucket_seq = itertools.count()
+# the suite's gc and unlock calls judge locks stale in seconds (refused outside tests: ckpt.lock);
+# set before any test, so the CLI subprocesses the tests start inherit it
+os.environ["GPUCKPT_TEST_SHORT_STALE_LIMITS"] = "1"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

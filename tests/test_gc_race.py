@@ -286,9 +286,10 @@ class HookStore(FaultyStore):
 
 def test_on_seaweedfs_a_save_racing_a_gc_is_rescued_not_lost(s3_url: str) -> None:
     """On a real S3 server (its LastModified as the store's clock): a save that deduplicated against
-    a dead pack before gc condemned it commits; the later gc that finds the condemnation due reads
-    that manifest and keeps the pack; the checkpoint loads whole and verifies. A save after the
-    condemnation never references the condemned pack."""
+    a dead pack before gc condemned it commits — having copied its blobs out of the condemned pack
+    before the commit (FORMAT.md §9: a commit names no condemned pack, whatever the clocks); the
+    later gc that finds the condemnation due deletes the pack; the checkpoint loads whole and
+    verifies. A save after the condemnation never references the condemned pack."""
     base = Repository.init(url_store(s3_url), pack_size=64 * KiB)
     base.save(blocks("a", range(8)), worker_id="w0", namespace=NS, pins=PINS, options=OPTS)
     base.save(blocks("a", range(4)) + blocks("b", range(4)), worker_id="w0", namespace=NS, pins=PINS, options=OPTS)
@@ -308,7 +309,8 @@ def test_on_seaweedfs_a_save_racing_a_gc_is_rescued_not_lost(s3_url: str) -> Non
     m = racing.save(racing_blocks, worker_id="w1", namespace=NS, pins=PINS, options=OPTS)
     assert condemned, "gc condemned nothing"
     dead = {c.rsplit("/", 1)[-1] for c in condemned}
-    assert dead & {b.pack for b in m.blocks}, "the save did not deduplicate against the condemned pack"
+    assert not dead & {b.pack for b in m.blocks}, "the commit names a condemned pack"
+    assert m.sizes.new_blocks == 4, "it deduplicated against the dead pack's a4..a7 (then copied them forward)"
     # a4 and a5 again: written anew; a6 and a7 stay only in the condemned pack
     after = Repository.open(url_store(s3_url)).save(
         blocks("a", range(4, 6)), worker_id="w2", namespace=NS, pins=PINS, options=OPTS
@@ -322,7 +324,8 @@ def test_on_seaweedfs_a_save_racing_a_gc_is_rescued_not_lost(s3_url: str) -> Non
             break
         assert time.monotonic() < deadline, f"the condemnation never came due: {report}"
         time.sleep(0.2)
-    assert dead <= {r.rsplit("/", 1)[-1] for r in report.rescued_packs}, report
+    assert dead <= {r.rsplit("/", 1)[-1] for r in report.deleted_packs}, report
+    assert not report.rescued_packs, report
     check = Repository.open(url_store(s3_url))
     for ref, bl in ((m, racing_blocks), (after, blocks("a", range(4, 6)))):
         got = {b.key: bytes(b.data) for b in check.load(ref.id)}
