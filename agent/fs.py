@@ -195,13 +195,18 @@ def open_checked(
     else:
         check_dir(parent, trust, shared=trust.gid is not None)
     try:
-        fd = os.open(parent / p.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO (or a device) put in a page file's place must not hold this open() —
+        # and with it every checkpoint, the final one too — until someone writes to it
+        fd = os.open(parent / p.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == 40:  # ELOOP: the last component is a symlink
             raise UnsafePath(f"{p} is a symlink; refusing to follow it") from None
+        if exc.errno == 6:  # ENXIO: a FIFO opened for writing with no reader
+            raise UnsafePath(f"{p} is not a regular file (a FIFO?); refusing it") from None
         raise
     try:
-        check_fd(fd, p, trust)
+        check_fd(fd, p, trust)  # a regular file, else refused
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

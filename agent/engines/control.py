@@ -66,6 +66,11 @@ class ControlError(EngineRefused, RuntimeError):
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_LINE = 64 << 20
+#: JSON values a reply may hold (counted on its bytes before parsing): Python holds each parsed
+#: value in ~30-110 bytes whatever its text's size, so a reply of small values (a list of digits)
+#: costs ~15x its bytes to parse; this bounds a parse near 200 MB (the largest legitimate replies,
+#: page-key lists, hold a few hundred thousand)
+MAX_VALUES = 2_000_000
 MAX_CONNECTIONS = 16
 #: unfinished request bytes held across all connections at once (two whole lines)
 MAX_BUFFERED = 2 * MAX_LINE
@@ -313,6 +318,12 @@ def call(path: str | os.PathLike[str], cmd: str, *, io_timeout: float = 60.0, **
             f"gpuckpt control {cmd!r}: the connector closed the connection without a reply "
             f"(did the engine die? {len(buf)} bytes received)"
         )
+    values = buf.count(b",") + buf.count(b":") + 1
+    if values > MAX_VALUES:
+        raise ControlError(
+            f"gpuckpt control {cmd!r}: the reply holds about {values} JSON values, more than the {MAX_VALUES} "
+            f"this agent parses (a broken or hostile worker?); not parsed"
+        )
     try:
         reply = json.loads(buf)
     except ValueError:
@@ -342,7 +353,7 @@ def _connect(s: socket.socket, path: str | os.PathLike[str], cmd: str, io_timeou
 
 def _recv_line(s: socket.socket, cmd: str, io_timeout: float) -> bytes:
     """Up to and including the first newline, or what came before the connector closed."""
-    buf = b""
+    buf = bytearray()  # appended in place: no copy of the whole line per chunk
     try:
         while not buf.endswith(b"\n"):
             chunk = s.recv(1 << 20)
@@ -355,4 +366,4 @@ def _recv_line(s: socket.socket, cmd: str, io_timeout: float) -> bytes:
         raise ControlError(f"gpuckpt control {cmd!r}: no reply within {io_timeout:.0f} s") from None
     except ConnectionResetError:
         pass  # what came before the reset is still the reply, if it is whole
-    return buf
+    return bytes(buf)

@@ -92,7 +92,10 @@ class _Chunk:
         try:
             for rec in self.recs:
                 # the connector names the files: only those in the staging directory, ours to read
-                self.files.append(staging.PageFile(rec["index"], directory=where.directory, trust=where.trust))
+                # read, never mapped: a file the worker truncates under a mapping would kill the agent
+                self.files.append(
+                    staging.PageFile(rec["index"], directory=where.directory, trust=where.trust, mapped=False)
+                )
             first = self.files[0].index
             self.shard_shape = tuple(first.page_shape)
             self.head_axis = int(self.recs[0].get("head_axis", 0))

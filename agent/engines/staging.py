@@ -37,6 +37,14 @@ SCHEMA = "gpuckpt-vllm-pages"
 VERSION = 1
 #: a page file's index names its keys: 64 MiB covers a million pages
 MAX_INDEX_BYTES = 64 << 20
+#: the largest page a page file may declare (one block's pages of every layer; a 61-layer model's
+#: bf16 pages of 16 tokens and 8 KV heads are about 4 MiB): what a reader allocates for one page
+MAX_PAGE_BYTES = 256 << 20
+
+
+class PageFileError(ValueError):
+    """A page file that cannot be read as its index declares (a worker truncated it, declared a
+    page larger than the bound or inconsistent with its shape): that capture's error, nothing more."""
 
 
 def save_queue_bound(max_staging: int) -> int:
@@ -188,6 +196,27 @@ class PageWriter:
         self.data_path.unlink(missing_ok=True)
 
 
+def _check_geometry(path: Path, index: PageIndex, max_page_bytes: int) -> None:
+    """The declared page size is within the bound and is what the declared shape, dtype and layers
+    make (when the dtype is one this code knows), before a byte is allocated for it."""
+    n = index.page_bytes
+    if n < 0 or n > max_page_bytes:
+        raise PageFileError(f"{path}: declares {n}-byte pages; the bound is {max_page_bytes} bytes")
+    from ckpt.blocks import DTYPES
+
+    item = DTYPES.get(index.dtype)
+    if item is not None and index.keys:
+        made = item
+        for d in index.page_shape:
+            made *= int(d)
+        # the page shape holds the layers' axis (vLLM) or is per layer
+        if n not in (made, made * max(1, len(index.layers))):
+            raise PageFileError(
+                f"{path}: declares {n}-byte pages, but pages of {list(index.page_shape)} {index.dtype} "
+                f"({len(index.layers)} layers) make {made}"
+            )
+
+
 def unlink_pair(index_path: str | os.PathLike[str]) -> None:
     """Delete a page file (index and data); missing parts are fine."""
     p = Path(index_path)
@@ -196,14 +225,21 @@ def unlink_pair(index_path: str | os.PathLike[str]) -> None:
 
 
 class PageFile:
-    """A committed page file, memory-mapped read-only.
+    """A committed page file, read-only: memory-mapped, or read with ``pread`` (``mapped=False``).
 
     Another process named it, so both halves are opened with
     :func:`agent.fs.open_checked` before a byte is read: directly in
     ``directory`` (``None``: in a directory :func:`agent.fs.check_dir`
-    accepts), no symlink, a regular single-link file owned by a trusted
-    account and closed to others. :class:`agent.fs.UnsafePath` names the
-    file and why otherwise.
+    accepts), no symlink, no FIFO, a regular single-link file owned by a
+    trusted account and closed to others. :class:`agent.fs.UnsafePath`
+    names the file and why otherwise. The declared page size is checked
+    against ``max_page_bytes`` and against the declared shape, dtype and
+    layers before anything is allocated (:class:`PageFileError`).
+
+    The agent reads the worker's files with ``mapped=False``: a file the
+    worker truncates under a mapping kills the reader with SIGBUS, while a
+    short ``pread`` is that page's :class:`PageFileError`. The worker maps
+    the agent's files (the agent does not attack its worker).
     """
 
     def __init__(
@@ -212,6 +248,8 @@ class PageFile:
         *,
         directory: str | os.PathLike[str] | None = None,
         trust: Trust | None = None,
+        mapped: bool = True,
+        max_page_bytes: int = MAX_PAGE_BYTES,
     ) -> None:
         trust = trust or Trust.of()
         self.index_path = Path(index_path)
@@ -219,23 +257,35 @@ class PageFile:
             raise fs.UnsafePath(f"{self.index_path} is not a page file index (*.json)")
         ifd = fs.open_checked(self.index_path, directory=directory, trust=trust)
         with os.fdopen(ifd, "rb") as f:
-            raw = f.read(MAX_INDEX_BYTES + 1)
+            # by the file's size: read(n) allocates n bytes up front, whatever the file holds
+            raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_INDEX_BYTES) + 1)
         if len(raw) > MAX_INDEX_BYTES:
             raise ValueError(f"{self.index_path}: index larger than {MAX_INDEX_BYTES} bytes")
-        self.index = PageIndex.from_json(json.loads(raw))
+        try:
+            self.index = PageIndex.from_json(json.loads(raw))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PageFileError(f"{self.index_path}: not a page file index ({exc})") from None
+        _check_geometry(self.index_path, self.index, max_page_bytes)
         self.data_path = self.index_path.with_suffix(".bin")
         self._fd = fs.open_checked(self.data_path, directory=self.index_path.parent, trust=trust)
         size = os.fstat(self._fd).st_size
         if size != self.index.page_bytes * len(self.index.keys):
             os.close(self._fd)
-            raise ValueError(f"{self.data_path}: {size} bytes, index says {len(self.index.keys)} pages")
-        self._mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ) if size else None
+            raise PageFileError(f"{self.data_path}: {size} bytes, index says {len(self.index.keys)} pages")
+        self._mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ) if size and mapped else None
         self.offsets = {k: i * self.index.page_bytes for i, k in enumerate(self.index.keys)}
 
     def page(self, key: bytes) -> memoryview:
         off = self.offsets[key]
-        assert self._mm is not None
-        return memoryview(self._mm)[off : off + self.index.page_bytes]
+        n = self.index.page_bytes
+        if self._mm is not None:
+            return memoryview(self._mm)[off : off + n]
+        data = os.pread(self._fd, n, off)
+        if len(data) != n:
+            raise PageFileError(
+                f"{self.data_path}: page at {off} is {len(data)} of {n} bytes: the file was truncated while read"
+            )
+        return memoryview(data)
 
     def items(self) -> Iterator[tuple[bytes, memoryview]]:
         for k in self.index.keys:
