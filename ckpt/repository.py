@@ -805,7 +805,7 @@ class Repository:
             if now:
                 ripe |= fresh
             ripe &= set(existing)
-            rescued = self._rescue(manifests, ripe, written)
+            rescued = self._rescue(manifests, ripe, written, set(existing))
             doomed = ripe - rescued
             report.rescued_packs = sorted(existing[p].name for p in rescued)
             # this run's repacked packs are reported as repacked, not deleted
@@ -863,26 +863,74 @@ class Repository:
         return manifests
 
     def _rescue(
-        self, manifests: builtins.list[Manifest], ripe: set[str], written: builtins.list[PackRecord]
+        self,
+        manifests: builtins.list[Manifest],
+        ripe: set[str],
+        written: builtins.list[PackRecord],
+        existing: set[str] | None = None,
     ) -> set[str]:
-        """The ripe packs some manifest still needs: those holding every copy of a referenced blob
-        (by its reference's checksum and length) — a save that deduplicated against a pack before
-        its condemnation was visible, or a planted condemnation."""
-        extra: dict[str, builtins.list[BlobEntry]] = {}
+        """The ripe packs some manifest still needs: a ripe pack holding a referenced blob (by its
+        reference's checksum and length) is kept unless another copy is *shown* to be elsewhere —
+        in a pack this gc just wrote, or in a pack that exists, is not going, and whose trailer
+        lists the blob with bytes that match its checksum (checked here). An index document's word
+        alone never lets a needed pack go: a planted one listing phantom copies rescues nothing
+        away (FORMAT.md §9 step 6)."""
+        mine: dict[str, builtins.list[BlobEntry]] = {}
         for rec in written:
             for e in rec.entries:
-                extra.setdefault(e.id, []).append(e)
-        rescued: set[str] = set()
+                mine.setdefault(e.id, []).append(e)
+        present = set(self.index.packs) if existing is None else existing
+        # (blob, checksum, length) → the ripe packs holding it, and where else the index says it is
+        need: dict[tuple[str, str, int], tuple[set[str], set[str]]] = {}
         for m in manifests:
             for b in m.blocks:
+                want = (b.blob, b.checksum, b.length)
+                if want in need:
+                    continue
+                if any(e.checksum == b.checksum and e.length == b.length for e in mine.get(b.blob, ())):
+                    need[want] = (set(), set())  # copied by this gc: shown
+                    continue
                 holders = {
-                    e.pack
-                    for e in [*self.index.copies(b.blob), *extra.get(b.blob, ())]
-                    if e.checksum == b.checksum and e.length == b.length
-                } or {b.pack}
-                if holders <= ripe:
-                    rescued |= holders
+                    e.pack for e in self.index.copies(b.blob) if e.checksum == b.checksum and e.length == b.length
+                } | {b.pack}
+                need[want] = (holders & ripe, holders - ripe)
+        # only the blobs a going pack holds need their other copies shown (rare: a save that raced
+        # a condemnation, or a planted document): the usual gc reads no pack here
+        shown = self._copies_shown({(w, q) for w, (going, others) in need.items() if going for q in others}, present)
+        rescued: set[str] = set()
+        for want, (going, others) in need.items():
+            if going and not any((want, q) in shown for q in others):
+                rescued |= going
         return rescued
+
+    def _copies_shown(
+        self, claims: set[tuple[tuple[str, str, int], str]], present: set[str]
+    ) -> set[tuple[tuple[str, str, int], str]]:
+        """The claims ``((blob, checksum, length), pack)`` that hold on the store: the pack exists,
+        its trailer lists the blob with that checksum and length, and those bytes match it. Each
+        pack is read once; one that does not read shows nothing."""
+        by_pack: dict[str, builtins.list[tuple[str, str, int]]] = {}
+        for want, q in claims:
+            if q in present:
+                by_pack.setdefault(q, []).append(want)
+        out: set[tuple[tuple[str, str, int], str]] = set()
+        for q, wants in by_pack.items():
+            try:
+                data = memoryview(self.store.get(pack_name(q)))
+                listed = {(e.id, e.checksum, e.length): e for e in read_trailer(data, q, self.keyring)}
+            except GpuckptError as exc:
+                log.warning("a pack the index names shows nothing", extra={"pack": q, "error": str(exc)})
+                continue
+            for want in wants:
+                e = listed.get(want)
+                if e is None:
+                    continue
+                try:
+                    cks.verify(data[e.offset : e.offset + e.length], e.checksum, obj=pack_name(q), blob=e.id)
+                except GpuckptError:
+                    continue
+                out.add((want, q))
+        return out
 
     def _stale_docs(self, doomed: set[str], rescued: set[str]) -> builtins.list[str]:
         """Index documents a rewrite replaces: those naming a doomed pack, or condemning or

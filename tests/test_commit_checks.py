@@ -156,3 +156,33 @@ def test_a_pack_condemned_during_the_save_is_copied_forward_and_the_commit_names
     clock.advance(3600 + 60)
     gc_repo.gc(grace=timedelta(0))  # deletes the condemned pack: the checkpoint does not need it
     every_checkpoint_loads(Repository.open(ClockedStore(inner, clock)))
+
+
+def test_a_planted_index_of_phantom_copies_rescues_nothing_away(tmp_path: Path) -> None:
+    """In a plain repository an attacker with PutObject plants one index document listing a copy of
+    every referenced blob in a pack that does not exist, and condemning every real pack long ago:
+    the next ordinary gc keeps every pack a committed checkpoint needs (rescue from evidence)."""
+    import dataclasses
+    import secrets
+
+    from ckpt.index import PackRecord, encode_index, index_name
+    from ckpt.pack import pack_name
+
+    store = LocalStore(tmp_path / "repo", fsync=False)
+    repo = Repository.init(store, pack_size=64 * KiB)
+    for w in range(3):
+        repo.save([block(f"c{w}-{i}") for i in range(4)], worker_id=f"w{w}", namespace=NS, pins=PINS)
+    repo.index.refresh(repo.store, repo.keyring)
+    real = set(repo.index.packs)
+    phantom = secrets.token_hex(16)
+    entries = tuple(dataclasses.replace(e, pack=phantom) for rec in repo.index.packs.values() for e in rec.entries)
+    name = index_name(secrets.token_hex(16))
+    store.put(
+        name, encode_index(name, [PackRecord(phantom, 1 << 20, entries)], None, condemned=dict.fromkeys(real, 1.0))
+    )
+    report = Repository.open(store).gc(grace=timedelta(0))
+    assert not report.deleted_packs, report
+    assert set(report.rescued_packs) == {pack_name(p) for p in real}
+    fresh = Repository.open(store)
+    assert len(fresh.list()) == 3
+    every_checkpoint_loads(fresh)
