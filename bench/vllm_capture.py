@@ -177,7 +177,9 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random, a: argpa
         fill(max(1, prompts // 10))
 
         def pre() -> dict[str, Any]:
-            return driver.precopy(w.control_socket, repo, timeout=300, copy_per_step=a.precopy_kib * 1024)
+            return driver.precopy(
+                w.control_socket, repo, timeout=300, copy_per_step=a.precopy_kib * 1024, trust_domain="bench"
+            )
 
         with_pre, (pc, secs) = rate(w.control_socket, during=pre)
         before, _ = rate(w.control_socket, seconds=max(secs, 2.0))

@@ -32,6 +32,7 @@ class FakeConnector:
         self.captures = 0
         self.swept = 0
         self.generation = 0  # bump to change some pages (new KV since the last capture)
+        self.poison = 0  # a hostile worker: pages under the same keys with other bytes (XORed with this)
         self.gate: threading.Event | None = None  # a capture waits on it when set
         # a hostile connector: the capture reply names this path instead of the page file it wrote
         self.name_index: Callable[[Path], str] | None = None
@@ -95,7 +96,10 @@ class FakeConnector:
                 if self.random_pages:
                     w.write(os.urandom(32), os.urandom(size))
                 else:
-                    w.write(seed.ljust(32, b"k"), (seed * (size // 8))[:size])
+                    data = (seed * (size // 8))[:size]
+                    if self.poison:
+                        data = bytes(b ^ self.poison for b in data)
+                    w.write(seed.ljust(32, b"k"), data)
             idx = w.commit()
             ledger = {
                 "schema": "gpuckpt-vllm-ledger",

@@ -119,6 +119,12 @@ class Agent:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    @property
+    def trust_domain(self) -> str:
+        """Whose checkpoints this worker's share blocks with by key, and may restore: by default
+        the worker alone."""
+        return self.cfg.trust_domain or self.cfg.worker_id
+
     def open_repository(self) -> Repository:
         key = KeySource.parse(self.cfg.key) if self.cfg.key else None
         self.repo = Repository.open(self.cfg.repository, key=key, create=True)
@@ -302,6 +308,7 @@ class Agent:
             done = self.engine.checkpoint(
                 self.repo,
                 self.cfg.worker_id,
+                trust_domain=self.trust_domain,
                 labels={"trigger": ",".join(sorted(set(t.triggers)))},
                 timeout=self.cfg.checkpoint.capture_timeout.total_seconds(),
                 max_staging=self.cfg.checkpoint.max_staging,
@@ -435,6 +442,7 @@ class Agent:
         try:
             out = self.engine.precopy(
                 self.repo,
+                trust_domain=self.trust_domain,
                 timeout=c.capture_timeout.total_seconds(),
                 copy_per_step=c.copy_per_step,
                 max_staging=c.max_staging,
@@ -530,6 +538,7 @@ class Agent:
             plan = self.engine.restore(
                 self.repo,
                 info.id,
+                trust_domain=self.trust_domain,
                 policy=Policy.from_strings(ignore=self.cfg.restore.ignore_rules),
                 generate=client.generate if client is not None else None,
                 require_canary=self.cfg.restore.require_canary,

@@ -171,6 +171,13 @@ class AgentConfig(BaseSettings):
     )
 
     worker_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    trust_domain: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="the workers whose checkpoints may share blocks by key and restore each other's: "
+        "by default this worker alone (its worker_id); a tenant or a fleet that trusts its workers may "
+        "share one (docs/agent.md, trust domains)",
+    )
     repository: str
     key: str | None = Field(None, description="key source: file:/path or env:NAME")
     engine: Literal["vllm", "sglang"] = Field(

@@ -55,6 +55,10 @@ __all__ = [
 ]
 
 
+#: the namespace field naming a checkpoint's trust domain (FORMAT.md §10: trust domains)
+TRUST_DOMAIN = "trust_domain"
+
+
 @dataclass(frozen=True)
 class WorkerDescription:
     """What a worker says about itself; recorded in the manifest and compared on restore."""
@@ -66,6 +70,12 @@ class WorkerDescription:
     @property
     def namespace(self) -> Namespace:
         return Namespace(self.namespace_fields)
+
+    def in_domain(self, trust_domain: str) -> Namespace:
+        """The block namespace of this worker's checkpoints in ``trust_domain``: a block's key (its
+        prefix hash, which the worker computes) names a blob only within the domain, so a worker
+        can never make another domain's checkpoints deduplicate against bytes it chose."""
+        return Namespace({**self.namespace_fields, TRUST_DOMAIN: trust_domain})
 
 
 @dataclass
@@ -233,12 +243,12 @@ class Engine(abc.ABC):
 
         return driver.precopy(self.socket, repo, where=self.staging, engine=self.name, **kw)
 
-    def plan(self, manifest: Manifest, policy: Any = None) -> Decision:
+    def plan(self, manifest: Manifest, policy: Any = None, trust_domain: str | None = None) -> Decision:
         """Would a restore of ``manifest`` into this worker be warm, and why not
         (:func:`agent.engines.driver.restore_decision`); changes nothing."""
         from agent.engines import driver
 
-        return driver.restore_decision(manifest, self.describe(), policy)
+        return driver.restore_decision(manifest, self.describe(), policy, trust_domain)
 
     def restore(self, repo: Any, ref: str, **kw: Any) -> RestorePlan:
         """Plan and offer a restore (:func:`agent.engines.driver.restore`)."""

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from agent.engines import canary as canary_mod
 from agent.engines import control, ledgers, shards, staging
-from agent.engines.base import Capture, RestorePlan, Resubmission, WorkerDescription
+from agent.engines.base import TRUST_DOMAIN, Capture, RestorePlan, Resubmission, WorkerDescription
 from agent.engines.offers import AWAIT_S, WANT_S
 from agent.fs import Trust
 from ckpt import (
@@ -304,8 +304,12 @@ def checkpoint(
     where: Staging | None = None,
     stats: dict[str, Any] | None = None,
     engine: str | None = None,
+    trust_domain: str | None = None,
 ) -> Manifest:
     """Capture the worker behind ``sock`` and save it; returns the visible manifest.
+
+    Blocks deduplicate by key only within ``trust_domain`` (default: the
+    worker itself, ``worker_id``): see :meth:`WorkerDescription.in_domain`.
 
     ``stats``, when given, receives the checkpoint's timings and counts (the
     capture's, the save's, the canary's): pause, copy, staging peak.
@@ -353,7 +357,7 @@ def checkpoint(
                 cap.pages,
                 options=_save_options(repo, cap),
                 worker_id=worker_id,
-                namespace=desc.namespace,
+                namespace=desc.in_domain(trust_domain or worker_id),
                 pins=Pins(host=host_facts(), worker=desc.facts),
                 layout=layout,
                 ledger=cap.ledger,
@@ -410,8 +414,10 @@ def precopy(
     cancel: threading.Event | None = None,
     where: Staging | None = None,
     engine: str | None = None,
+    trust_domain: str,
 ) -> dict[str, Any]:
-    """Store the worker's cached full blocks the repository does not hold yet, between checkpoints.
+    """Store the worker's cached full blocks the repository does not hold yet, between checkpoints
+    (in ``trust_domain``: the one its checkpoints use, or they cannot deduplicate against them).
 
     Full blocks do not change while cached, so they can be stored ahead of
     the checkpoint that names them: the worker copies them a bounded
@@ -435,7 +441,11 @@ def precopy(
 
     try:
         out = repo.store_blocks(
-            pages(), namespace=desc.namespace, deadline=deadline, cancel=cancel, options=_save_options(repo, cap)
+            pages(),
+            namespace=desc.in_domain(trust_domain),
+            deadline=deadline,
+            cancel=cancel,
+            options=_save_options(repo, cap),
         )
     finally:
         cap.close()
@@ -834,15 +844,25 @@ class Decision:
         }
 
 
-def restore_decision(m: Manifest, desc: WorkerDescription, policy: Policy | None = None) -> Decision:
+def restore_decision(
+    m: Manifest, desc: WorkerDescription, policy: Policy | None = None, trust_domain: str | None = None
+) -> Decision:
     """The restore decision for checkpoint ``m`` and the worker ``desc`` describes, on this host:
-    the pins' rules (:func:`ckpt.decide` under ``policy``), the block namespace and the TP shards.
-    (The canary is judged by :func:`restore`, on the worker.)"""
+    the pins' rules (:func:`ckpt.decide` under ``policy``), the block namespace, the trust domain
+    and the TP shards. (The canary is judged by :func:`restore`, on the worker.)
+
+    With ``trust_domain``, a checkpoint taken in another domain is refused by name: its bytes came
+    from workers this one does not trust. A checkpoint that names no domain (an older agent's) is
+    allowed: those deduplicated across every worker of the repository (docs/agent.md)."""
     policy = policy or STRICT
     decision = decide(m.pins, Pins(host=host_facts(), worker=desc.facts), policy)
     reasons = list(decision.reasons)
-    if dict(m.namespace) != dict(desc.namespace_fields):
-        reasons.append(f"namespace: checkpoint {dict(m.namespace)} != worker {dict(desc.namespace_fields)}")
+    fields = {k: v for k, v in m.namespace.items() if k != TRUST_DOMAIN}
+    if fields != dict(desc.namespace_fields):
+        reasons.append(f"namespace: checkpoint {fields} != worker {dict(desc.namespace_fields)}")
+    theirs = m.namespace.get(TRUST_DOMAIN)
+    if trust_domain is not None and theirs is not None and theirs != trust_domain:
+        reasons.append(f"trust domain: checkpoint {theirs!r} != this worker's {trust_domain!r}")
     reasons += _shard_reasons(m)
     return Decision(
         m.id, not reasons, reasons, decision.results, policy, ledgers.request_count(m.ledger), m.sizes.blocks
@@ -864,8 +884,10 @@ def restore(
     trust: Trust | None = None,
     engine: str | None = None,
     release: Release | None = None,
+    trust_domain: str | None = None,
 ) -> RestorePlan:
-    """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``.
+    """Plan and prepare the restore of checkpoint ``ref`` into the worker behind ``sock``
+    (with ``trust_domain``, a checkpoint of another trust domain is a cold plan that says so).
 
     Streaming, in-flight first: the pages the canary probe and the
     resubmitted requests read — keys the new worker computes from their
@@ -927,7 +949,7 @@ def restore(
     requests = ledgers.format_of(m.ledger).resubmissions(m.ledger) if m.ledger is not None else []
     desc = describe(sock, engine)
     t = lap("describe_s", t)
-    reasons = list(restore_decision(m, desc, policy).reasons)
+    reasons = list(restore_decision(m, desc, policy, trust_domain).reasons)
     if require_canary and m.canary is None:
         reasons.append(f"canary: checkpoint {m.id} recorded no probe, so a warm restore could not be checked")
     elif require_canary and generate is None:

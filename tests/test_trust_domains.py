@@ -1,0 +1,62 @@
+"""Trust domains: a worker can only affect restores in its own domain.
+
+A hostile worker A stores bytes of its choosing under the keys (prefix hashes) worker B will use.
+With the default domains (each worker its own), B's checkpoint stores B's bytes and B's restore
+loads B's bytes; a checkpoint of another domain is refused by name. Workers an operator puts in
+one domain share blocks by key, as before (and so trust each other's bytes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.engines import driver
+from ckpt import Repository
+from tests.fake_connector import FakeConnector
+
+
+@pytest.fixture
+def workers(short_tmp: Path):  # type: ignore[no-untyped-def]
+    a = FakeConnector(short_tmp / "a.sock", short_tmp / "stage-a")
+    b = FakeConnector(short_tmp / "b.sock", short_tmp / "stage-b")
+    a.poison = 0x5A  # the same keys, other bytes
+    yield a, b
+    a.close()
+    b.close()
+
+
+def loaded(repo: Repository, ckpt_id: str) -> dict[bytes, bytes]:
+    return {blk.key: bytes(blk.data) for blk in repo.load(ckpt_id)}
+
+
+def test_a_hostile_worker_cannot_poison_another_domains_checkpoint(workers, short_tmp: Path) -> None:  # type: ignore[no-untyped-def]
+    a, b = workers
+    repo = Repository.open(str(short_tmp / "repo"), create=True)
+    ma = driver.checkpoint(str(a.sock), repo, "wa", where=driver.Staging(a.stage))
+    mb = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    assert mb.sizes.new_blocks == mb.sizes.blocks, "B deduplicated by key against A's bytes"
+    got_a, got_b = loaded(repo, ma.id), loaded(repo, mb.id)
+    assert got_a.keys() == got_b.keys()
+    assert all(got_a[k] != got_b[k] for k in got_b), "B's restore would load A's bytes"
+    assert ma.namespace["trust_domain"] == "wa"
+    assert mb.namespace["trust_domain"] == "wb"
+    # B's second checkpoint deduplicates against its own first
+    mb2 = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    assert mb2.sizes.new_blocks == 0
+    # a restore into B of A's checkpoint is refused by name (a cold plan, never A's bytes)
+    desc = driver.describe(str(b.sock))
+    d = driver.restore_decision(repo.manifest(ma.id), desc, trust_domain="wb")
+    assert not d.warm
+    assert any("trust domain: checkpoint 'wa' != this worker's 'wb'" in r for r in d.reasons)
+    assert driver.restore_decision(repo.manifest(mb.id), desc, trust_domain="wb").warm
+
+
+def test_workers_put_in_one_domain_share_blocks_by_key(workers, short_tmp: Path) -> None:  # type: ignore[no-untyped-def]
+    a, b = workers
+    a.poison = 0  # trusted workers: the same KV for the same keys
+    repo = Repository.open(str(short_tmp / "repo"), create=True)
+    driver.checkpoint(str(a.sock), repo, "wa", where=driver.Staging(a.stage), trust_domain="fleet")
+    mb = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage), trust_domain="fleet")
+    assert mb.sizes.new_blocks == 0, "one domain stores a shared prefix once"
