@@ -9,6 +9,7 @@ was deleted on purpose.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable
@@ -23,9 +24,10 @@ from ckpt.pack import BlobEntry, entries_to_rows, rows_to_entries
 from ckpt.store.base import Store
 
 KIND = "gpuckpt-index"
-#: 2: encrypted bodies are sealed per document (FORMAT.md §10.1); 1 is still read
-VERSION = 2
-SUPPORTED = (1, 2)
+#: 2: encrypted bodies are sealed per document (FORMAT.md §10.1); 3: a pack record may map its
+#: blobs to content ids (``"content"``, FORMAT.md §4.4); 1 and 2 are still read
+VERSION = 3
+SUPPORTED = (1, 2, 3)
 PREFIX = "index/"
 log = logging.getLogger("gpuckpt.index")
 #: index documents larger than this are not read (a gc rewrite of a large
@@ -62,7 +64,11 @@ def encode_index(
         body["condemned"] = {p: float(t) for p, t in sorted(condemned.items())}
     for p in packs:
         rows, codecs = entries_to_rows(list(p.entries))
-        body["packs"].append({"id": p.id, "size": p.size, "codecs": codecs, "blobs": rows})
+        rec: dict[str, Any] = {"id": p.id, "size": p.size, "codecs": codecs, "blobs": rows}
+        content = {e.id: e.content for e in p.entries if e.content}
+        if content:
+            rec["content"] = content
+        body["packs"].append(rec)
     return document.seal(KIND, VERSION, name, body, keyring)
 
 
@@ -95,9 +101,15 @@ def decode_index_doc(name: str, data: bytes, keyring: Keyring | None) -> IndexDo
     for p in packs:
         if not isinstance(p, dict) or not isinstance(p.get("id"), str) or type(p.get("size")) is not int:
             raise FormatError(f"{name}: malformed pack record")
-        out.append(
-            PackRecord(p["id"], p["size"], tuple(rows_to_entries(p["id"], p.get("blobs"), p.get("codecs"), name)))
-        )
+        entries = rows_to_entries(p["id"], p.get("blobs"), p.get("codecs"), name)
+        content = p.get("content", {})
+        if not isinstance(content, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in content.items()
+        ):
+            raise FormatError(f"{name}: 'content' must map blob ids to content ids")
+        if content:
+            entries = [dataclasses.replace(e, content=content.get(e.id, "")) for e in entries]
+        out.append(PackRecord(p["id"], p["size"], tuple(entries)))
     return IndexDoc(out, frozenset(sup), {k: float(v) for k, v in con.items()})
 
 
@@ -127,6 +139,8 @@ class MasterIndex:
         # repository store two ciphertexts (different checksums), both valid
         self._blobs: dict[str, list[BlobEntry]] = {}
         self._packs: dict[str, PackRecord] = {}
+        # content id -> blobs holding those bytes (what saves of other trust domains may share)
+        self._content: dict[str, list[BlobEntry]] = {}
 
     def refresh(self, store: Store, keyring: Keyring | None, workers: int = 8) -> None:
         listing = {o.name: o for o in store.list(PREFIX)}
@@ -176,6 +190,7 @@ class MasterIndex:
     def _rebuild(self) -> None:
         self._blobs = {}
         self._packs = {}
+        self._content = {}
         for recs in self._docs.values():
             self._add_packs(recs)
         excluded: set[str] = set()
@@ -192,6 +207,8 @@ class MasterIndex:
             self._packs[p.id] = p
             for e in p.entries:
                 self._blobs.setdefault(e.id, []).append(e)
+                if e.content:
+                    self._content.setdefault(e.content, []).append(e)
 
     def add(self, name: str, packs: list[PackRecord]) -> None:
         with self._lock:
@@ -209,6 +226,16 @@ class MasterIndex:
         excluded = self._excluded
         for e in self._blobs.get(blob_id, ()):
             if e.pack not in excluded:
+                return e
+        return None
+
+    def lookup_content(self, content_id: str, raw_length: int) -> BlobEntry | None:
+        """A blob holding exactly these bytes (by their content id and length) a save may reference
+        instead of storing them again, whatever its key or trust domain; condemned and superseded
+        packs do not count (see :meth:`lookup`)."""
+        excluded = self._excluded
+        for e in self._content.get(content_id, ()):
+            if e.pack not in excluded and e.raw_length == raw_length:
                 return e
         return None
 

@@ -59,6 +59,9 @@ class BlobEntry:
     checksum: str  # XXH3-128 of the stored bytes, checked before decoding
     raw_checksum: str  # XXH3-128 of the decoded bytes, checked after decoding
     codec: str  # canonical JSON of the codec pipeline specs
+    #: the content id of the raw bytes (a keyed SHA-256, :meth:`ckpt.Repository.content_id`), in
+    #: index documents of version 3 only: what other trust domains may deduplicate against
+    content: str = ""
 
     def to_row(self, codec_index: int) -> list[Any]:
         return [self.id, self.offset, self.length, self.raw_length, self.checksum, self.raw_checksum, codec_index]
@@ -113,7 +116,14 @@ class PackWriter:
         return self._len
 
     def add(
-        self, blob_id: str, stored: Buffer, raw_length: int, checksum: str, raw_checksum: str, codec: str
+        self,
+        blob_id: str,
+        stored: Buffer,
+        raw_length: int,
+        checksum: str,
+        raw_checksum: str,
+        codec: str,
+        content: str = "",
     ) -> BlobEntry:
         offset = self._len
         n = memoryview(stored).nbytes
@@ -122,7 +132,7 @@ class PackWriter:
             self.buf.extend(bytes(max(end - len(self.buf), len(self.buf) // 4)))
         self.buf[offset:end] = stored
         self._len = end
-        e = BlobEntry(blob_id, self.id, offset, n, raw_length, checksum, raw_checksum, codec)
+        e = BlobEntry(blob_id, self.id, offset, n, raw_length, checksum, raw_checksum, codec, content)
         self.entries.append(e)
         return e
 

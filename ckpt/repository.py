@@ -323,6 +323,15 @@ class Repository:
             return self.keyring.blob_mac(msg)
         return hashlib.sha256(msg).hexdigest()
 
+    def content_id(self, raw: Any) -> str | None:
+        """The content id of a block's raw bytes: HMAC-SHA-256 (the blob-id key) over their SHA-256,
+        in an encrypted repository only — there no one without the key can claim one in an index
+        document, so a save may reference another trust domain's blob of exactly these bytes
+        (FORMAT.md §10, trust domains). ``None`` in a plain repository: no sharing by content."""
+        if self.keyring is None:
+            return None
+        return self.keyring.blob_mac(b"gpuckpt-content\x00" + hashlib.sha256(raw).digest())
+
     # -- saving and loading -------------------------------------------------------------
 
     def save(

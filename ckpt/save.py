@@ -110,6 +110,7 @@ class SaveProgress:
     raw_bytes: int = 0
     new_blocks: int = 0
     new_raw_bytes: int = 0
+    shared_blocks: int = 0  # new to this trust domain, but stored already with the same bytes
     stored_bytes: int = 0  # bytes of new blobs after encoding
     uploaded_bytes: int = 0
     packs_written: int = 0
@@ -253,6 +254,16 @@ class _Saver:
         try:
             if self.abort.is_set():
                 return
+            content = self.repo.content_id(block.data)
+            if content is not None and (same := self.repo.index.lookup_content(content, n)) is not None:
+                # these exact bytes are stored already (another trust domain's key): referenced, not
+                # stored again; the content id is a keyed hash the save computed itself
+                with self.lock:
+                    self.entries[blob_id] = same
+                    self.prog.new_blocks -= 1
+                    self.prog.new_raw_bytes -= n
+                    self.prog.shared_blocks += 1
+                return
             full, plain, full_c, plain_c = self._pipelines_for(block.dtype)
             raw_sum = cks.checksum(block.data)
             ctx = CodecContext(self.repo.keyring, blob_id.encode(), "pack", blob_id)
@@ -263,19 +274,21 @@ class _Saver:
                 # decompression cost on restore.
                 stored, codec = plain.encode(block.data, ctx), plain_c
             stored_sum = cks.checksum(stored)
-            self._add_to_pack(blob_id, stored, n, stored_sum, raw_sum, codec)
+            self._add_to_pack(blob_id, stored, n, stored_sum, raw_sum, codec, content or "")
         except BaseException as exc:
             self._fail(exc)
         finally:
             self.budget.release(n)
             self._release(block)
 
-    def _add_to_pack(self, blob_id: str, stored: Any, raw_len: int, s: str, rs: str, codec: str) -> None:
+    def _add_to_pack(
+        self, blob_id: str, stored: Any, raw_len: int, s: str, rs: str, codec: str, content: str = ""
+    ) -> None:
         sealed: PackWriter | None = None
         while True:
             with self.lock:
                 if self.pack is not None:
-                    e = self.pack.add(blob_id, stored, raw_len, s, rs, codec)
+                    e = self.pack.add(blob_id, stored, raw_len, s, rs, codec, content)
                     self.entries[blob_id] = e
                     self.prog.stored_bytes += e.length
                     if self.pack.size >= self.opts.pack_size:
@@ -565,6 +578,7 @@ def carry_forward(
     moved: dict[str, BlobEntry] = {}
     out: list[PackRecord] = []
     pw = PackWriter(secrets.token_hex(16), repo.config.pack_size + (1 << 20))
+    copies: dict[str, BlobEntry] = {}  # by the stored blob's own id (a shared blob is copied once)
     for pid in sorted(doomed):
         try:
             data = memoryview(repo.store.get(pack_name(pid)))
@@ -573,14 +587,15 @@ def carry_forward(
         for bid, e in entries.items():
             if e.pack != pid:
                 continue
-            blob = data[e.offset : e.offset + e.length]
-            try:
-                cks.verify(blob, e.checksum, obj=pack_name(pid), blob=bid)
-            except GpuckptError as exc:
-                raise OperationAborted(
-                    f"a blob of condemned pack {pid} does not verify ({exc}); not committing"
-                ) from None
-            pw.add(bid, blob, e.raw_length, e.checksum, e.raw_checksum, e.codec)
+            if e.id not in copies:
+                blob = data[e.offset : e.offset + e.length]
+                try:
+                    cks.verify(blob, e.checksum, obj=pack_name(pid), blob=e.id)
+                except GpuckptError as exc:
+                    why = f"a blob of condemned pack {pid} does not verify ({exc}); not committing"
+                    raise OperationAborted(why) from None
+                copies[e.id] = pw.add(e.id, blob, e.raw_length, e.checksum, e.raw_checksum, e.codec, e.content)
+            moved[bid] = copies[e.id]
     raw = pw.finish(repo.keyring)
     repo.store.put(pw.name, raw)
     rec = PackRecord(pw.id, len(raw), tuple(pw.entries))
@@ -588,8 +603,6 @@ def carry_forward(
     name = index_name(secrets.token_hex(16))
     repo.store.put(name, encode_index(name, out, repo.keyring))
     repo.index.add(name, out)
-    for e in pw.entries:
-        moved[e.id] = e
     log.info(
         "copied blobs out of condemned packs before the commit", extra={"packs": sorted(doomed), "blobs": len(moved)}
     )
@@ -644,7 +657,7 @@ def save_checkpoint(
         block_refs.append(
             BlockRef(
                 key=block.key.hex(),
-                blob=blob_id,
+                blob=e.id,  # another blob id where the bytes were shared by content
                 pack=e.pack,
                 offset=e.offset,
                 length=e.length,

@@ -303,15 +303,15 @@ def test_index_envelope_errors() -> None:
     (name,) = [o.name for o in base.store.list("index/")]
     env = json.loads(base.store.get(name))
     with pytest.raises(UnsupportedVersion) as ei:
-        decode_index(name, json.dumps({**env, "version": 3}).encode(), None)
+        decode_index(name, json.dumps({**env, "version": 4}).encode(), None)
     assert name in str(ei.value)
-    assert ei.value.version == 3
+    assert ei.value.version == 4
     for body in ({"packs": {}}, {"packs": [1]}, {"packs": [{"id": 1, "size": 1}]}, {}):
         with pytest.raises(FormatError, match=name):
             decode_index(name, document.seal("gpuckpt-index", 1, name, body, None), None)
     # An index document of an unknown version (a newer writer's) does not stop a save, which
     # only cannot deduplicate against it; gc refuses, deleting nothing: its packs are not garbage.
-    base.store.put(name, json.dumps({**env, "version": 3}).encode())
+    base.store.put(name, json.dumps({**env, "version": 4}).encode())
     fresh = Repository.open(base.store)
     m = fresh.save([make_block(9, "bfloat16", (4,), 9)], worker_id="w0", namespace=NS, pins=sample_pins())
     assert len(list(fresh.load(m.id))) == 1

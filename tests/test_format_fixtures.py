@@ -23,15 +23,16 @@ from tests.fixtures.make_format_v1 import KEY_HEX
 
 ROOT = Path(__file__).parent / "fixtures"
 FIXTURES = ROOT / "format-v1"
-FORMATS = {"v1": ROOT / "format-v1", "v2": ROOT / "format-v2"}
-#: what each format writes: pack header version, document version, seal version
-WRITES = {"v1": (1, 1, 1), "v2": (2, 2, 2)}
+FORMATS = {"v1": ROOT / "format-v1", "v2": ROOT / "format-v2", "v3": ROOT / "format-v3"}
+#: what each format writes: pack header version, index document version, manifest version, seal version
+WRITES = {"v1": (1, 1, 1, 1), "v2": (2, 2, 2, 2), "v3": (2, 3, 2, 2)}
 
 
 @pytest.fixture
 def expected() -> dict[str, str]:
     data: dict[str, str] = json.loads((FIXTURES / "expected.json").read_text())
-    assert json.loads((FORMATS["v2"] / "expected.json").read_text()) == data
+    for fmt in ("v2", "v3"):
+        assert json.loads((FORMATS[fmt] / "expected.json").read_text()) == data
     return data
 
 
@@ -61,11 +62,9 @@ def test_fixture_loads_bit_exact(fmt: str, variant: str, expected: dict[str, str
     assert report.checked_packs >= 1
 
 
-def _stored(root: Path) -> tuple[list[bytes], list[dict[str, Any]]]:
+def _stored(root: Path, kinds: tuple[str, ...] = ("index", "manifests")) -> tuple[list[bytes], list[dict[str, Any]]]:
     packs = [p.read_bytes() for p in sorted((root / "packs").rglob("*")) if p.is_file()]
-    docs = [
-        json.loads(p.read_bytes()) for d in ("index", "manifests") for p in sorted((root / d).rglob("*")) if p.is_file()
-    ]
+    docs = [json.loads(p.read_bytes()) for d in kinds for p in sorted((root / d).rglob("*")) if p.is_file()]
     return packs, docs
 
 
@@ -74,13 +73,14 @@ def test_fixture_bytes_are_of_their_format(fmt: str) -> None:
     """Each committed fixture holds what its format writes, so the loads above
     exercise that format's reader: v1 with random-nonce seals under the one
     key, v2 with a marker and salt per message."""
-    pack_version, doc_version, seal = WRITES[fmt]
+    pack_version, index_version, manifest_version, seal = WRITES[fmt]
     for variant in ("plain", "encrypted"):
         packs, docs = _stored(FORMATS[fmt] / variant)
         assert packs
         assert docs
         assert {struct.unpack_from("<I", p, 8)[0] for p in packs} == {pack_version}
-        assert {d["version"] for d in docs} == {doc_version}
+        assert {d["version"] for d in _stored(FORMATS[fmt] / variant, ("index",))[1]} == {index_version}
+        assert {d["version"] for d in _stored(FORMATS[fmt] / variant, ("manifests",))[1]} == {manifest_version}
     _, docs = _stored(FORMATS[fmt] / "encrypted")
     for d in docs:
         assert d["encryption"].get("seal", 1) == seal

@@ -101,12 +101,15 @@ def test_new_writes_seal_every_message_under_its_own_key(saved: tuple[Repository
         "pack-trailer",
     )
     assert json.loads(trailer)["pack"] == pack_id
-    # Documents: envelope version 2, seal 2 in the header, bound to their names.
+    # Documents: envelope version 2 (index documents 3: content ids), seal 2 in the header, bound to
+    # their names and versions.
     for name in [m.name] + [o.name for o in repo.store.list("index/")]:
         env = json.loads((root / name).read_bytes())
-        assert env["version"] == 2
+        v = 3 if name.startswith("index/") else 2
+        assert env["version"] == v
         assert env["encryption"] == {"alg": "aes-256-gcm", "key_id": KEY.key_id, "seal": 2}
-        body = spec_open(MASTER, base64.b64decode(env["ciphertext"]), f"{env['format']}/2/{name}".encode(), "document")
+        aad = f"{env['format']}/{v}/{name}".encode()
+        body = spec_open(MASTER, base64.b64decode(env["ciphertext"]), aad, "document")
         assert isinstance(json.loads(body), dict)
 
 

@@ -60,3 +60,36 @@ def test_workers_put_in_one_domain_share_blocks_by_key(workers, short_tmp: Path)
     driver.checkpoint(str(a.sock), repo, "wa", where=driver.Staging(a.stage), trust_domain="fleet")
     mb = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage), trust_domain="fleet")
     assert mb.sizes.new_blocks == 0, "one domain stores a shared prefix once"
+
+
+def test_across_domains_true_bytes_are_stored_once_and_chosen_bytes_never_shared(workers, short_tmp: Path) -> None:  # type: ignore[no-untyped-def]
+    """In an encrypted repository (where only agents, holding the key, write index documents) a block
+    new to a domain is referenced, not stored again, when a blob of exactly its bytes exists — by a
+    keyed SHA-256 of the bytes the save computed itself: B shares honest A's bytes, never hostile
+    A's chosen ones."""
+    import os
+
+    from ckpt import Keyring
+
+    a, b = workers
+    repo = Repository.open(str(short_tmp / "repo"), key=Keyring(os.urandom(32)), create=True)
+    a.poison = 0
+    ma = driver.checkpoint(str(a.sock), repo, "wa", where=driver.Staging(a.stage))
+    mb = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    assert ma.sizes.new_blocks == ma.sizes.blocks
+    assert mb.sizes.new_blocks == 0, "a shared prefix with the same bytes is stored once across domains"
+    assert mb.sizes.packs_written == 0
+    assert loaded(repo, mb.id) == loaded(repo, ma.id)
+    # a hostile worker of a third domain stores other bytes under the same keys: nothing of it is shared
+    c = FakeConnector(short_tmp / "c.sock", short_tmp / "stage-c")
+    c.poison = 0x33
+    try:
+        mc = driver.checkpoint(str(c.sock), repo, "wc", where=driver.Staging(c.stage))
+    finally:
+        c.close()
+    assert mc.sizes.new_blocks == mc.sizes.blocks
+    b.generation = 1  # B's next checkpoint: one page changed, the rest its own
+    mb2 = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    got_b, got_c = loaded(repo, mb2.id), loaded(repo, mc.id)
+    assert all(got_b[k] != got_c[k] for k in got_b if k in got_c), "B loads C's chosen bytes"
+    assert repo.verify().ok
