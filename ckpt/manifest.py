@@ -42,6 +42,10 @@ Hex = Annotated[str, Field(pattern=_HEX, max_length=512)]
 NonNeg = Annotated[int, Field(ge=0)]
 
 
+def is_worker_id(s: str) -> bool:
+    return bool(_WORKER_RE.match(s))
+
+
 def check_worker_id(worker_id: str) -> str:
     if not isinstance(worker_id, str) or not _WORKER_RE.match(worker_id):
         raise ConfigError(

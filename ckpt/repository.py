@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -58,6 +59,7 @@ from ckpt.manifest import (
     Manifest,
     check_worker_id,
     is_checkpoint_id,
+    is_worker_id,
 )
 from ckpt.manifest import (
     PREFIX as MANIFEST_PREFIX,
@@ -84,6 +86,8 @@ MAX_CLOCK_SKEW = timedelta(hours=1)
 MAX_SAVE_SECONDS = 30 * 60.0
 #: bounds a reader enforces on ``config.pack_size``
 PACK_SIZE_RANGE = (64 << 10, 1 << 30)
+#: a new repository's pack size, and the one used where a config's cannot be trusted
+DEFAULT_PACK_SIZE = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -116,16 +120,26 @@ class RepoConfig:
             raise FormatError(f"config: pack_size {cfg.pack_size} outside [{lo}, {hi}]")
         return cfg
 
-    def authenticate(self, keyring: Keyring) -> None:
+    def authenticate(self, keyring: Keyring) -> RepoConfig:
         """An encrypted repository's config carries a MAC under the key: an edit
-        (say of ``pack_size``) by someone without the key is refused."""
+        (say of ``pack_size``) by someone without the key is refused. A config
+        without one (written before configs were authenticated, or one whose MAC
+        someone removed) is read, but nothing in it that a writer without the
+        key could have chosen is used: the config returned has the default
+        ``pack_size`` (a planted 64 KiB would make every save write thousands of
+        packs, 1 GiB would make every save hold a gigabyte)."""
         assert self.encryption is not None
         mac = self.encryption.get("mac")
-        if mac is None:  # written before configs were authenticated (format v1 fixtures)
-            log.warning("the repository config is not authenticated (written by an older gpuckpt)")
-            return
+        if mac is None:
+            log.warning(
+                "the repository config is not authenticated (no MAC: an older gpuckpt, or removed): "
+                "its pack_size is ignored",
+                extra={"pack_size": self.pack_size, "used": DEFAULT_PACK_SIZE},
+            )
+            return dataclasses.replace(self, pack_size=DEFAULT_PACK_SIZE)
         if not hmac.compare_digest(str(mac), keyring.config_mac(self.mac_message())):
             raise IntegrityError("config: authentication failed: the repository config was modified", obj="config")
+        return self
 
 
 @dataclass(frozen=True)
@@ -277,7 +291,7 @@ class Repository:
                     "give its key (--key file:/path or env:NAME)"
                 )
             keyring.verify_check(cfg.encryption["check"], cfg.encryption["key_id"])
-            cfg.authenticate(keyring)
+            cfg = cfg.authenticate(keyring)
         elif keyring is not None:
             raise ConfigError(f"the repository at {store.url} is not encrypted; do not give a key")
         return cls(store, cfg, keyring)
@@ -432,8 +446,10 @@ class Repository:
         out = []
         for o in self.store.list(prefix):
             parts = o.name[len(MANIFEST_PREFIX) :].split("/")
-            if len(parts) != 2 or not is_checkpoint_id(parts[1]):
-                continue  # not ours: ignored, and left alone
+            if len(parts) != 2 or not is_checkpoint_id(parts[1]) or not is_worker_id(parts[0]):
+                # not ours (a planted `manifests/bad name/<id>`): ignored, and left alone; one such
+                # object must never stop `latest`, retention or gc for every other checkpoint
+                continue
             out.append(CheckpointInfo(parts[1], parts[0], o.name, _ckpt_time(parts[1]), o.size, o.mtime))
         out.sort(key=lambda c: (c.id, c.worker_id))
         return out

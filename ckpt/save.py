@@ -39,6 +39,7 @@ from ckpt.blocks import DTYPES, Block, Existing, Namespace
 from ckpt.codecs import AesGcm, BytePlane, Codec, CodecContext, Pipeline, Zstd
 from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, ObjectNotFound, OperationAborted
 from ckpt.index import PackRecord, encode_index, index_name
+from ckpt.manifest import DEFAULT_MAX_BYTES as MANIFEST_MAX_BYTES
 from ckpt.manifest import (
     BlockRef,
     CodecSpec,
@@ -701,8 +702,15 @@ def save_checkpoint(
     if before_commit is not None:
         before_commit()
     saver.prog.phase = "manifest"
+    encoded = manifest.encode(repo.keyring)
+    if len(encoded) > MANIFEST_MAX_BYTES:
+        # readers refuse it (ckpt.manifest.DEFAULT_MAX_BYTES): `latest` would skip it and gc take its data
+        raise OperationAborted(
+            f"the manifest of {len(block_refs)} blocks is {len(encoded)} bytes, more than readers accept "
+            f"({MANIFEST_MAX_BYTES}); not committing: checkpoint fewer blocks (a smaller prefix cache)"
+        )
     # The commit point: the checkpoint exists once this create succeeds.
-    repo.store.put(manifest.name, manifest.encode(repo.keyring), if_absent=True)
+    repo.store.put(manifest.name, encoded, if_absent=True)
     saver.prog.phase = "done"
     saver._report(force=True)
     log.info(

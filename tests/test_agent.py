@@ -373,6 +373,23 @@ def test_malformed_requests_get_errors_and_the_agent_keeps_answering(rig) -> Non
         assert c.request("GET", "/health")["ok"] is True
 
 
+def test_odd_ticket_ids_are_a_400_and_control_characters_reach_the_logs_escaped(rig, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    _tmp, _fake, start = rig
+    a = start()
+    sock = a.cfg.api.socket
+    with caplog.at_level(logging.DEBUG):
+        # "\xb2" is "²" in the request line's latin-1: str.isdigit() says yes, int() says no
+        r = raw(sock, b"GET /checkpoint/\xb2 HTTP/1.1\r\n\r\n")
+        assert b" 400 " in r.split(b"\r\n")[0], r
+        r = raw(sock, b"GET /checkpoint/\x1b[2J\x07 HTTP/1.1\r\n\r\n")
+        assert r.split(b"\r\n")[0].split(b" ")[1] in (b"400", b"404"), r
+    assert not any("\x1b" in rec.getMessage() or "\x07" in rec.getMessage() for rec in caplog.records)
+    with AgentClient(sock) as c:
+        assert c.request("GET", "/health")["ok"] is True
+
+
 def test_status_answers_while_a_checkpoint_is_running(rig) -> None:
     _tmp, fake, start = rig
     a = start()

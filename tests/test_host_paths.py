@@ -280,3 +280,18 @@ def test_launch_gives_the_worker_no_secret_of_the_agent(short_tmp: Path, monkeyp
     assert not set(secrets) & set(env), sorted(set(secrets) & set(env))
     assert env["HF_TOKEN"] == "hf-keep"  # what the worker needs stays
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_with_staging_unset_a_capture_cannot_name_the_agents_own_restore_pages(rig: tuple[Path, FakeConnector]) -> None:
+    """With no staging directory configured the agent reads page files from any directory it accepts;
+    never from a restore's staging (its own files: read, then deleted)."""
+    tmp, fake = rig
+    restore_dir = staging.default_dir(f"{driver.RESTORE_TAG}{os.getpid()}-test")
+    planted: list[Path] = []
+    fake.name_index = lambda idx: str(planted.append(_moved(tmp, idx, restore_dir)) or planted[-1])
+    try:
+        with pytest.raises(fs.UnsafePath, match="restore's staging"):
+            driver.capture(fake.sock, 30, where=driver.Staging())  # staging_dir unset
+        assert planted[0].exists(), "the restore's page file was deleted"
+    finally:
+        shutil.rmtree(restore_dir, ignore_errors=True)

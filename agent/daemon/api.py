@@ -244,6 +244,10 @@ class _DeadlineReader(io.RawIOBase):
         return n
 
 
+#: C0 controls and DEL as escapes, for what a client sends that reaches a log line
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+
+
 class ApiError(Exception):
     def __init__(self, status: HTTPStatus, message: str) -> None:
         super().__init__(message)
@@ -277,7 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         return "unix"
 
     def log_message(self, format: str, *args: Any) -> None:
-        log.debug("api: " + format, *args)
+        # a request line is the client's: control characters go to the logs escaped
+        log.debug("api: %s", (format % args).encode("ascii", "backslashreplace").decode().translate(_CONTROLS))
 
     def _send(self, status: HTTPStatus, body: Any) -> None:
         self.connection.settimeout(WRITE_TIMEOUT)  # a client that does not take its response is dropped
@@ -326,7 +331,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as exc:
             self._error(exc.status, str(exc))
         except Exception as exc:  # the API never dies with a request
-            log.exception("api: %s %s failed", method, self.path)
+            log.exception("api: %s %s failed", method, ascii(self.path))
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
 
     def do_GET(self) -> None:
@@ -374,7 +379,7 @@ def route(agent: Agent, method: str, path: str, query: dict[str, list[str]], bod
         return HTTPStatus.ACCEPTED, t.view()
     if method == "GET" and path.startswith("/checkpoint/"):
         tid = path.rsplit("/", 1)[1]
-        if not tid.isdigit():
+        if not (tid.isascii() and tid.isdigit()):  # "²".isdigit() is true, int("²") is not
             raise ApiError(HTTPStatus.BAD_REQUEST, f"ticket id must be a number, not {tid!r}")
         found = agent.ticket(int(tid))
         if found is None:
@@ -451,7 +456,10 @@ class ApiServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        from agent import fs
+
+        # made, or adopted only when no untrusted account could write to it (as every other directory)
+        fs.ensure_socket_dir(self.path.parent)
         if self.path.exists() or self.path.is_symlink():
             if not _is_stale_socket(self.path):
                 raise OSError(f"{self.path} is in use by another agent (or is not a socket)")

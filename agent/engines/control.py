@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -301,6 +302,12 @@ def _say(sock: socket.socket, error: str) -> None:
 def call(path: str | os.PathLike[str], cmd: str, *, io_timeout: float = 60.0, **args: Any) -> dict[str, Any]:
     """One request; raises :class:`ControlError` on an ``ok: false`` reply or a broken channel
     (:class:`ckpt.errors.WorkerUnreachable`, an ``OSError``, when the socket cannot be reached at all)."""
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            # connect(2) follows a symlink: whoever could plant it would answer for the worker
+            raise ControlError(f"gpuckpt control {cmd!r}: {path} is a symlink; refusing to follow it")
+    except FileNotFoundError as exc:
+        raise WorkerUnreachable(f"no worker adapter answering on {path}: {exc.strerror or exc}") from exc
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(io_timeout)
         _connect(s, path, cmd, io_timeout)

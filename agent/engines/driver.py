@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from agent import fs
 from agent.engines import canary as canary_mod
 from agent.engines import control, ledgers, shards, staging
 from agent.engines.base import TRUST_DOMAIN, Capture, RestorePlan, Resubmission, WorkerDescription
@@ -82,6 +83,14 @@ class Staging:
     trust: Trust = dataclasses.field(default_factory=Trust.of)
 
 
+def _not_restore_staging(index: str) -> None:
+    """A capture's page file is never in a restore's staging: those are the agent's own files (a
+    worker naming one would have the agent read and then delete its restore pages)."""
+    restore_dirs = staging.default_dir(RESTORE_TAG).name  # gpuckpt-<uid>-restore-
+    if Path(os.path.realpath(Path(index).parent)).name.startswith(restore_dirs):
+        raise fs.UnsafePath(f"{index} is in a restore's staging, not a capture's; refusing it")
+
+
 class _Chunk:
     """One chunk of a capture stream: every rank's page file of the same pages, opened and checked."""
 
@@ -91,6 +100,7 @@ class _Chunk:
         self.files: list[staging.PageFile] = []
         try:
             for rec in self.recs:
+                _not_restore_staging(rec["index"])
                 # the connector names the files: only those in the staging directory, ours to read
                 # read, never mapped: a file the worker truncates under a mapping would kill the agent
                 self.files.append(
