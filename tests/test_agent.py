@@ -189,6 +189,41 @@ def test_a_checkpoint_past_its_deadline_is_abandoned_and_nothing_is_visible(rig)
     assert a.status()["last_error"]["operation"] == "checkpoint"
 
 
+def test_a_worker_shaping_page_files_against_its_agent_fails_that_checkpoint_only(rig) -> None:
+    """A FIFO in a page file's place, and a page file truncated under the agent: each is that
+    checkpoint's named error; the agent keeps serving and the next checkpoint is taken."""
+    import os
+
+    _tmp, fake, start = rig
+    a = start()
+
+    def fifo(idx: Path) -> str:
+        planted = idx.with_name("fifo-" + idx.name)
+        os.mkfifo(planted, 0o600)
+        return str(planted)
+
+    fake.name_index = fifo
+    t = a.request_checkpoint("request")
+    assert t.done.wait(30), "a FIFO stalled the checkpoint"
+    assert t.state == "failed"
+    assert "not a regular file" in t.error, t.error
+
+    def truncated(idx: Path) -> str:
+        os.truncate(idx.with_suffix(".bin"), 100)  # after the index: the sizes disagree
+        return str(idx)
+
+    fake.name_index = truncated
+    t = a.request_checkpoint("request")
+    assert t.done.wait(30)
+    assert t.state == "failed"
+    assert "bytes, index says" in t.error, t.error
+    fake.name_index = None
+    t = a.request_checkpoint("request")
+    assert t.done.wait(30)
+    assert t.state == "done", t.error
+    assert a.healthy()
+
+
 def test_worker_failing_a_capture_is_reported_and_the_agent_keeps_going(rig) -> None:
     _tmp, fake, start = rig
     a = start()
