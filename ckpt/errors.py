@@ -28,8 +28,27 @@ need to catch this tree::
     │   ├── KeyMissing              the repository is encrypted, no key given
     │   └── KeyMismatch             the key given is not the repository's key
     ├── IncompatibleCheckpoint      the compatibility rules refuse a warm restore
-    ├── OperationAborted            a deadline passed or a caller cancelled
-    └── ServiceUnavailable          the agent or a worker does not answer (socket, API)
+    ├── BlocksMissing               blocks given as already stored are not in the repository
+    ├── OperationAborted            a deadline passed, a caller cancelled, or a commit's last
+    │                               look on the store found its lock or packs gone
+    ├── ServiceUnavailable          the agent or a worker does not answer (socket, API)
+    │   ├── WorkerUnreachable       (also an EngineError, and a ConnectionError) nothing
+    │   │                           answers on the worker adapter's socket
+    │   └── EngineRefused           (also an EngineError) the worker answered, refusing
+    │       ├── agent.engines.control.ControlError   an ``ok: false`` control reply,
+    │       │                                        a broken or oversized channel
+    │       └── agent.engines.serving.ServeError     the worker's HTTP API refused
+    └── EngineError                 the serving engine behind the worker adapter
+        ├── WorkerUnreachable, EngineRefused   (above)
+        ├── EngineMismatch          (also a ConfigError) the worker runs another engine
+        ├── agent.engines.shards.ShardError    TP shards that do not cover the KV heads
+        └── agent.engines.staging.PageFileError  (also a ValueError) a worker's page file
+                                    that cannot be read as its index declares
+
+    Defined in the agent beside what raises them, all in this tree:
+    agent.fs.UnsafePath (a ConfigError: a path another account could control),
+    agent.daemon.api.AgentApiError (the agent answered an error status),
+    agent.engines.vllm.connector.InjectedFault (a test's injected hook failure).
 
 Exit codes for the CLI are assigned in exactly one place, :mod:`cli.exitcodes`.
 Messages name the object and the cause; they never contain secrets.

@@ -275,7 +275,7 @@ def restore_cmd(
             if client is not None and result.requests:
                 try:
                     outs = client.submit(result.requests)
-                except (RuntimeError, OSError) as exc:  # the client's refusal (ServeError) or no answer
+                except (ckpt.GpuckptError, OSError) as exc:  # the client's refusal (ServeError) or no answer
                     raise ckpt.WorkerUnreachable(f"resubmitting to {worker_url}: {exc}") from None
                 outputs = {
                     rid: {

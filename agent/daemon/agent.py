@@ -481,7 +481,7 @@ class Agent:
             return
         try:
             removed = self.engine.sweep()
-        except (OSError, ValueError, RuntimeError):
+        except (OSError, ValueError, GpuckptError):
             return  # no worker yet: swept when it attaches
         self._swept_connector = True
         if removed:
@@ -506,7 +506,7 @@ class Agent:
                     log.error("refusing the connector socket", extra={"error": str(exc)})
                     warned = True
                 time.sleep(0.5)
-            except (OSError, ValueError, RuntimeError) as exc:
+            except (OSError, ValueError, GpuckptError) as exc:
                 self.worker.update(attached=False, error=_describe(exc))
                 time.sleep(0.5)
         return False

@@ -65,6 +65,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 
 from agent.slots import Conn, Slots
+from ckpt.errors import GpuckptError
 
 if TYPE_CHECKING:
     from agent.daemon.agent import Agent
@@ -538,7 +539,9 @@ class AgentClient:
         return data
 
 
-class AgentApiError(RuntimeError):
+class AgentApiError(GpuckptError):
+    """The agent answered an error status (the message carries its answer)."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"agent answered {status}: {message}")
         self.status = status

@@ -55,7 +55,7 @@ from ckpt.errors import EngineRefused, WorkerUnreachable
 log = logging.getLogger(__name__)
 
 
-class ControlError(EngineRefused, RuntimeError):
+class ControlError(EngineRefused):
     """The worker's adapter refused or failed a control call, or the channel broke; the message says which.
 
     A :class:`ckpt.errors.EngineRefused` (exit code of an unavailable worker)

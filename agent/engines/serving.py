@@ -14,10 +14,12 @@ from typing import Any
 
 import httpx
 
+from ckpt.errors import EngineRefused
+
 __all__ = ["Completion", "ServeError", "WorkerProcess", "check_response"]
 
 
-class ServeError(RuntimeError):
+class ServeError(EngineRefused):
     """The worker's API refused or failed a request; the message carries its answer."""
 
 

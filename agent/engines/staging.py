@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 
 from agent import fs
 from agent.fs import Trust
+from ckpt.errors import EngineError
 
 SCHEMA = "gpuckpt-vllm-pages"
 VERSION = 1
@@ -42,7 +43,7 @@ MAX_INDEX_BYTES = 64 << 20
 MAX_PAGE_BYTES = 256 << 20
 
 
-class PageFileError(ValueError):
+class PageFileError(EngineError, ValueError):
     """A page file that cannot be read as its index declares (a worker truncated it, declared a
     page larger than the bound or inconsistent with its shape): that capture's error, nothing more."""
 

@@ -86,8 +86,27 @@ def owned_dir(p: Path, uid: int, gid: int, mode: int) -> Path:
     return p
 
 
+def closed_to_others(*paths: Path) -> Path | None:
+    """The first directory on the way to ``paths`` that other accounts cannot enter (no o+x)."""
+    for p in paths:
+        real = Path(os.path.realpath(p))
+        for d in [*reversed(real.parents), real]:
+            if not os.stat(d).st_mode & 0o001:
+                return d
+    return None
+
+
 @pytest.fixture(scope="module")
 def two_accounts(tiny_llama: Path) -> Iterator[dict]:
+    # the worker's account runs the test venv's Python and imports this checkout: both must be
+    # reachable for it (the base interpreter is made so below, a venv or checkout in a home is not)
+    closed = closed_to_others(Path(sys.prefix), Path(__file__).resolve().parents[2])
+    if closed is not None:
+        pytest.skip(
+            f"the worker's and the agent's accounts cannot enter {closed} (mode "
+            f"{os.stat(closed).st_mode & 0o777:04o}), where the test venv or this checkout lives: "
+            f"check out where other accounts can enter, or `chmod o+x {closed}`"
+        )
     base = Path(tempfile.mkdtemp(prefix="gpps-", dir="/tmp"))
     os.chmod(base, 0o755)  # noqa: S103 - both accounts must reach what is below it
     out: dict = {"base": base}

@@ -158,6 +158,7 @@ from agent.engines.vllm.capture import (
 from agent.engines.vllm.copier import Gathered, PageCopier
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
 from agent.fs import Trust
+from ckpt.errors import GpuckptError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -225,7 +226,7 @@ class GpuckptWorkerMeta(KVConnectorWorkerMetadata):
         return GpuckptWorkerMeta(merged)
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(GpuckptError):
     """Raised inside a hook named in ``inject_faults`` (tests of the hooks' guards)."""
 
 
