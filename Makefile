@@ -50,6 +50,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check ckpt cli agent tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy bench
+	# the import contracts in pyproject.toml ([tool.importlinter])
+	$(VENV)/bin/lint-imports
 
 check: lint test
 
