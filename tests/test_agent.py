@@ -16,6 +16,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -280,6 +281,42 @@ def test_preemption_notice_file_triggers_one_checkpoint(rig) -> None:
     assert a.status()["preempted"]["notice"].startswith("file ")
     time.sleep(1.5)
     assert fake.captures == 1, "one notice, one checkpoint"
+
+
+@pytest.mark.parametrize("cloud", ["gce", "aws", "azure"])
+def test_each_clouds_notice_triggers_exactly_one_preemption_checkpoint(rig, cloud: str) -> None:  # type: ignore[no-untyped-def]
+    """A fake metadata service speaking the cloud's protocol: no checkpoint on its "no event"
+    answers, one on the notice (however often polled after), Azure's events acknowledged once it
+    is done."""
+    from tests.metadata_server import MetadataServer
+
+    _tmp, fake, start = rig
+    srv = MetadataServer(cloud)
+    try:
+        a = start(checkpoint={"preemption": cloud, "preemption_metadata_url": srv.url, "preemption_poll": "1s"})
+
+        def polls() -> int:
+            return sum(1 for m, _ in srv.requests if m == "GET")
+
+        def until(pred: Any, what: str) -> None:
+            deadline = time.monotonic() + 30
+            while not pred():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.05)
+
+        until(lambda: polls() >= 3, "the agent never polled")
+        assert fake.captures == 0, "a checkpoint without a notice"
+        srv.preempted = True
+        until(lambda: a.status()["last_checkpoint"] is not None, "no preemption checkpoint")
+        assert a.status()["preempted"]["provider"] == cloud
+        seen = polls()
+        until(lambda: polls() >= seen + 3, "the agent stopped polling")
+        assert fake.captures == 1, "one notice, one checkpoint"
+        if cloud == "azure":
+            until(lambda: bool(srv.acks), "the scheduled event was never acknowledged")
+            assert srv.acks == [{"StartRequests": [{"EventId": "E-1"}]}]
+    finally:
+        srv.close()
 
 
 def test_a_long_gc_does_not_delay_the_preemption_checkpoint(rig, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,11 +26,11 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from agent.daemon import preemption as preemption_mod
 from agent.daemon.config import AgentConfig
 from agent.daemon.metrics import Metrics
 from agent.daemon.notify import Notifier
@@ -41,7 +41,7 @@ from ckpt.save import SaveProgress
 
 log = logging.getLogger("gpuckpt.agent")
 
-TRIGGERS = ("periodic", "request", "stop", "preemption", "drain")
+TRIGGERS = ("periodic", "request", "stop", "preemption", "drain", "rebalance")
 #: triggers whose checkpoint has a window to make: a running save of other triggers makes way
 URGENT = frozenset({"stop", "preemption", "drain"})
 #: how long a running requested checkpoint may go on once an urgent one waits (a periodic one: 0)
@@ -388,7 +388,19 @@ class Agent:
         c = self.cfg.checkpoint
         now = time.monotonic()
         next_periodic = now + c.interval.total_seconds() if c.interval else None
-        next_poll = now if (c.preemption_file or c.preemption_url) else None
+        notices = preemption_mod.source(
+            c.preemption, metadata_url=c.preemption_metadata_url, url=c.preemption_url, file=c.preemption_file
+        )
+        extra_file = (
+            preemption_mod.NoticeSource("file", file=c.preemption_file)
+            if c.preemption_file and notices is not None and notices.provider != "file"
+            else None
+        )
+        poll_s = (c.preemption_poll.total_seconds() if c.preemption_poll else None) or (
+            preemption_mod.RECOMMENDED_POLL_S.get(notices.provider, 5.0) if notices else 5.0
+        )
+        next_poll = now if notices is not None else None
+        early_seen: set[str] = set()
         gc_every = self.cfg.retention.gc_interval
         next_gc = now + gc_every.total_seconds() if gc_every else None
         next_precopy = now + c.precopy_interval.total_seconds() if c.precopy_interval else None
@@ -399,13 +411,21 @@ class Agent:
             if next_periodic is not None and now >= next_periodic:
                 self.request_checkpoint("periodic")
                 next_periodic = now + c.interval.total_seconds()  # type: ignore[union-attr]
-            if next_poll is not None and now >= next_poll:
-                next_poll = now + c.preemption_poll.total_seconds()
-                notice = self._preemption_notice()
-                if notice and self.preempted is None:
-                    self.preempted = {"at": _now(), "notice": notice}
-                    log.warning("preemption notice", extra={"notice": notice})
-                    self.request_checkpoint("preemption")
+            if next_poll is not None and now >= next_poll and notices is not None:
+                next_poll = now + poll_s
+                notice = (extra_file.poll() if extra_file else None) or notices.poll()
+                if notice is not None and not notice.final and notice.detail not in early_seen:
+                    early_seen.add(notice.detail)
+                    log.warning("early preemption signal: checkpointing", extra={"notice": notice.detail})
+                    self.request_checkpoint("rebalance")
+                elif notice is not None and notice.final and self.preempted is None:
+                    self.preempted = {"at": _now(), "notice": notice.detail, "provider": notice.provider}
+                    log.warning("preemption notice", extra={"notice": notice.detail, "provider": notice.provider})
+                    t = self.request_checkpoint("preemption")
+                    if notice.ack:
+                        threading.Thread(
+                            target=self._acknowledge, args=(t, notices, notice), name="gpuckpt-ack", daemon=True
+                        ).start()
             if next_precopy is not None and now >= next_precopy:
                 next_precopy = now + c.precopy_interval.total_seconds()  # type: ignore[union-attr]
                 idle = self._running is None and self._pending is None
@@ -420,19 +440,11 @@ class Agent:
                     self._gc_running.set()
                     threading.Thread(target=self._gc, name="gpuckpt-gc", daemon=True).start()
 
-    def _preemption_notice(self) -> str | None:
-        c = self.cfg.checkpoint
-        if c.preemption_file is not None and c.preemption_file.exists():
-            return f"file {c.preemption_file}"
-        if c.preemption_url:
-            try:
-                # Cloud metadata services answer 200 with a body once a stop is scheduled, 404 before.
-                with urllib.request.urlopen(c.preemption_url, timeout=2) as r:  # noqa: S310 - configured URL
-                    if r.status == 200:
-                        return f"url {c.preemption_url}: {r.read(200).decode(errors='replace').strip()}"
-            except OSError:
-                return None
-        return None
+    def _acknowledge(self, t: Ticket, source: Any, notice: Any) -> None:
+        """Once the preemption checkpoint is done (or failed: waiting helps nobody), tell the
+        provider the instance may go (Azure's scheduled events)."""
+        t.done.wait()
+        source.acknowledge(notice)
 
     def _precopy(self) -> None:
         """Store the worker's new cached blocks ahead of the next checkpoint (see ``driver.precopy``);

@@ -104,7 +104,19 @@ class CheckpointConfig(_Section):
     stop_deadline: Duration = timedelta(seconds=60)
     preemption_file: Path | None = None
     preemption_url: str | None = None
-    preemption_poll: Duration = timedelta(seconds=5)
+    preemption: Literal["gce", "aws", "azure", "url", "file"] | None = Field(
+        None,
+        description="whose preemption notices to poll, in that provider's own protocol (agent/daemon/"
+        "preemption.py): gce, aws (IMDSv2, and the rebalance recommendation as an early checkpoint), azure "
+        "(Scheduled Events, acknowledged once the checkpoint is done); url and file as preemption_url and "
+        "preemption_file say; unset: whichever of those two is set",
+    )
+    preemption_metadata_url: str | None = Field(
+        None, description="the provider's metadata service (default: its documented address)"
+    )
+    preemption_poll: Duration | None = Field(
+        None, description="how often to poll (default: what the provider recommends: gce and azure 1s, aws 5s)"
+    )
     canary: bool = True
     capture_timeout: Duration = timedelta(seconds=60)
     max_staging: ByteSize = Field(
