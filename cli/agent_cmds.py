@@ -357,6 +357,22 @@ def _has_checkpoint(ctx: typer.Context, repo: str | None, key: str | None, worke
         return False
 
 
+def _die_with(parent: int) -> Any:
+    """A ``preexec_fn``: the worker gets SIGTERM when ``launch`` dies, by any signal, SIGKILL included
+    (Linux's parent-death signal; the engine then shuts its own children down), so a supervisor that
+    dies never leaves a worker serving, holding the GPU and the port, with no agent beside it."""
+
+    def arm() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # launch died before the signal was armed
+            os._exit(1)
+
+    return arm if sys.platform.startswith("linux") else None
+
+
 def launch_cmd(
     ctx: typer.Context,
     command: Annotated[
@@ -430,7 +446,9 @@ def launch_cmd(
     typer.echo(f"gpuckpt: starting worker: {shlex.join(argv)}", err=True)
     typer.echo(f"gpuckpt: agent socket {cfg.api.socket} (export {AGENT_ENV}={cfg.api.socket})", err=True)
     # the worker gets the environment without what only the agent needs (the key, the bucket's credentials)
-    worker = subprocess.Popen(argv, start_new_session=True, env=worker_environment(os.environ, cfg.key))
+    worker = subprocess.Popen(
+        argv, start_new_session=True, env=worker_environment(os.environ, cfg.key), preexec_fn=_die_with(os.getpid())
+    )
     agent = agent_mod.Agent(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

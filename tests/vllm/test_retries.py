@@ -530,3 +530,42 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
         for i, c in want["choices"].items():
             assert (got["choices"][i]["ids"], got["choices"][i]["text"]) == (c["ids"], c["text"]), (k, i)
             assert got["choices"][i]["finish"] == c["finish"], (k, i)
+
+
+def test_gpuckpt_launch_killed_by_sigkill_leaves_no_worker_behind(
+    tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="gpk-", dir="/tmp"))
+    model = chat_model(tiny_llama_text, tmp_path_factory.mktemp("orphan-model"))
+    port = free_port()
+    log = tmp / "launch.log"
+    p = _launch(model, tmp / "run", tmp / "repo", port, log)
+    sock = tmp / "run" / "w1-connector.sock"
+    pgid = None
+    try:
+        _until(lambda: _healthy(f"http://127.0.0.1:{port}") and sock.exists(), 240, "the launched worker", p, log)
+        pgid = os.getpgid(int(control.call(str(sock), "ping")["pid"]))
+        assert pgid != os.getpgid(p.pid), "the worker runs in a session of its own"
+        os.kill(p.pid, signal.SIGKILL)  # the supervisor alone: nothing of it runs after this
+        p.wait()
+
+        def group_gone() -> bool:
+            try:
+                os.killpg(pgid, 0)
+                return False
+            except ProcessLookupError:
+                return True
+
+        deadline = time.monotonic() + 120
+        while not group_gone():
+            assert time.monotonic() < deadline, (
+                "the worker outlived its SIGKILLed launcher:\n" + log.read_text()[-2000:]
+            )
+            time.sleep(0.25)
+    finally:
+        if pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
