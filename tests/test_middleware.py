@@ -11,18 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from agent.engines.vllm.continuations import Book, body_digest, not_attachable, parse_id
 from agent.engines.vllm.ledger import API_XARG, api_facts, resubmitted_id
-from agent.engines.vllm.middleware import (
-    ATTACH_HEADER,
-    RESUBMIT_HEADER,
-    TOKEN_HEADER,
-    Book,
-    GpuckptMiddleware,
-    body_digest,
-    not_attachable,
-    parse_id,
-    token_path,
-)
+from agent.engines.vllm.middleware import ATTACH_HEADER, RESUBMIT_HEADER, TOKEN_HEADER, GpuckptMiddleware, token_path
 
 
 def test_ledger_ids_map_to_the_request_id_and_endpoint_a_retry_carries() -> None:

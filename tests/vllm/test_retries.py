@@ -38,22 +38,16 @@ from agent.engines import canary, control, driver
 from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
+from tests.vllm.test_serve import ARGS as SERVE_ARGS
 from tests.vllm.test_serve import ENV, free_port
 
 pytestmark = pytest.mark.slow
 
+# test_serve's worker, with the tokenizer (text, chat) and room for every request at once
 ARGS = [
-    "--enforce-eager",
-    "--dtype",
-    "float32",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "1024",
+    *(a for a in SERVE_ARGS if a != "--skip-tokenizer-init"),
     "--max-num-seqs",
     "16",
-    "--seed",
-    "0",
     "--structured-outputs-config",
     json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
 ]
