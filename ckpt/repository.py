@@ -40,6 +40,7 @@ from ckpt.errors import (
     GpuckptError,
     IntegrityError,
     KeyMissing,
+    ManifestError,
     ObjectExists,
     ObjectNotFound,
     RepositoryExists,
@@ -446,10 +447,8 @@ class Repository:
         out = []
         for o in self.store.list(prefix):
             parts = o.name[len(MANIFEST_PREFIX) :].split("/")
-            if len(parts) != 2 or not is_checkpoint_id(parts[1]) or not is_worker_id(parts[0]):
-                # not ours (a planted `manifests/bad name/<id>`): ignored, and left alone; one such
-                # object must never stop `latest`, retention or gc for every other checkpoint
-                continue
+            if len(parts) != 2 or not is_checkpoint_id(parts[1]):
+                continue  # not ours: ignored, and left alone
             out.append(CheckpointInfo(parts[1], parts[0], o.name, _ckpt_time(parts[1]), o.size, o.mtime))
         out.sort(key=lambda c: (c.id, c.worker_id))
         return out
@@ -515,6 +514,11 @@ class Repository:
         """Read and check a manifest. Oversized, malformed, tampered or
         unknown-version manifests raise before any block is read."""
         info = ref if isinstance(ref, CheckpointInfo) else self.resolve(ref)
+        if not is_worker_id(info.worker_id):
+            # listed (and shown, escaped) for what it is, but never read: a store may refuse the name
+            # (InvalidName), and one planted `manifests/bad name/<id>` must not stop `latest`,
+            # retention or gc, which skip an unreadable manifest and go on
+            raise ManifestError(f"{info.name}: not a manifest name gpuckpt writes (a planted object?)")
         try:
             st = self.store.stat(info.name)
             if st.size > max_bytes:

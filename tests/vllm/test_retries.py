@@ -36,10 +36,10 @@ import pytest
 
 from agent.engines import canary, control, driver
 from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
-from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
+from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
 from tests.vllm.test_serve import ARGS as SERVE_ARGS
-from tests.vllm.test_serve import ENV, free_port
+from tests.vllm.test_serve import ENV, free_port, serve_worker
 
 pytestmark = pytest.mark.slow
 
@@ -217,17 +217,8 @@ def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:
 
 
 def worker(model: Path, tmp: Path, name: str) -> ServeProcess:
-    sock, stage = str(tmp / f"{name}.sock"), str(tmp / f"stage-{name}")
-    return ServeProcess(
-        str(model),
-        sock,
-        port=free_port(),
-        log_path=str(tmp / f"{name}.log"),
-        staging_dir=stage,
-        args=[*ARGS, "--served-model-name", "m"],
-        env=ENV,
-        kv_config=kv_transfer_config(sock, stage),
-    )
+    """test_serve's worker (connector and middleware), with the tokenizer, serving the model as "m"."""
+    return serve_worker(model, tmp, name, [*ARGS, "--served-model-name", "m"])
 
 
 @pytest.fixture(scope="module")
