@@ -8,7 +8,9 @@ agent, straight against a worker's connector socket; ``launch`` starts a
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
 import shlex
 import signal
@@ -21,9 +23,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 
 import ckpt
+from agent import engines, fs
+from agent.daemon import config as config_mod
+from ckpt.logfmt import JsonFormatter, TextFormatter
 from cli import exitcodes
+from cli._common import console, kv_table, open_repo, repo_url, safe, settings, show
 from cli.options import JsonOpt
 
 AGENT_ENV = "GPUCKPT_AGENT_SOCKET"
@@ -42,27 +49,16 @@ AgentOpt = Annotated[
 ]
 
 
-def _main() -> Any:
-    from cli import main  # late: main imports this module to register the commands
-
-    return main
-
-
 def _client(sock: str | None) -> Any:
-    from agent.daemon.api import AgentClient
+    from agent.daemon.api import AgentClient  # late: httpx and asyncio cost ~25 ms of start-up every verb would pay
 
     if not sock:
         raise ckpt.ConfigError(f"no agent socket: pass --agent SOCKET or set ${AGENT_ENV}")
     return AgentClient(sock)
 
 
-def _safe(text: object) -> str:
-    """Repository- and worker-supplied text made safe for a terminal (see ``cli.main._safe``)."""
-    return str(_main()._safe(text))
-
-
 def _call(client: Any, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    from agent.daemon.api import AgentApiError
+    from agent.daemon.api import AgentApiError  # late: as in _client
 
     try:
         return client.request(method, path, body)
@@ -90,8 +86,7 @@ def agent_run(
     ] = None,
 ) -> None:
     """Run the agent in the foreground (systemd: Type=notify); logs JSON lines on stdout."""
-    from agent.daemon import agent as agent_mod
-    from agent.daemon import config as config_mod
+    from agent.daemon import agent as agent_mod  # late: the daemon (metrics, notice sources, API) only runs here
 
     cfg = config_mod.load(config)
     _setup_daemon_logging(cfg.log_format)
@@ -99,10 +94,6 @@ def agent_run(
 
 
 def _setup_daemon_logging(fmt: str) -> None:
-    import logging
-
-    from ckpt.logfmt import JsonFormatter, TextFormatter
-
     h = logging.StreamHandler(sys.stdout)
     h.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
@@ -133,17 +124,16 @@ def checkpoint_cmd(
     if json_:
         typer.echo(json.dumps(t))
     elif t["state"] == "done":
-        typer.echo(_safe(f"checkpoint {t['checkpoint']} saved (ticket {t['id']}, triggers {', '.join(t['triggers'])})"))
+        typer.echo(safe(f"checkpoint {t['checkpoint']} saved (ticket {t['id']}, triggers {', '.join(t['triggers'])})"))
     else:
-        typer.echo(_safe(f"checkpoint ticket {t['id']} {t['state']}; `gpuckpt status` shows its progress"))
+        typer.echo(safe(f"checkpoint ticket {t['id']} {t['state']}; `gpuckpt status` shows its progress"))
 
 
 def _wait_ticket(c: Any, t: dict[str, Any], *, show: bool) -> dict[str, Any]:
-    from rich.progress import Progress, TextColumn
+    from rich.progress import Progress, TextColumn  # late: ~15 ms of start-up, for --wait only
 
-    main = _main()
     with Progress(
-        TextColumn("{task.description}"), console=main._console(stderr=True), transient=True, disable=not show
+        TextColumn("{task.description}"), console=console(stderr=True), transient=True, disable=not show
     ) as bar:
         task = bar.add_task("checkpoint: pending")
         while t["state"] not in ("done", "failed"):
@@ -169,7 +159,6 @@ def status_cmd(
     if json_:
         typer.echo(json.dumps(st))
         return
-    main = _main()
     lc, op, rr, err = st.get("last_checkpoint"), st.get("operation"), st.get("restore"), st.get("last_error")
     rows: list[tuple[str, object]] = [
         ("worker", f"{st['worker_id']} ({'attached' if st['worker']['attached'] else 'not attached'})"),
@@ -190,7 +179,7 @@ def status_cmd(
         rows.append((f"  {rid}", "replayed cold because " + "; ".join(why)))
     for rid, why in ((rr or {}).get("left_to_client") or {}).items():
         rows.append((f"  {rid}", f"not resubmitted: {why} (its client's retry computes it)"))
-    main._console().print(main._kv_table(f"agent {st['worker_id']} (pid {st['pid']})", rows))
+    console().print(kv_table(f"agent {st['worker_id']} (pid {st['pid']})", rows))
 
 
 # -- restore ------------------------------------------------------------------------------------
@@ -228,11 +217,8 @@ def restore_cmd(
     (--worker-url); without it the restore is cold unless --unchecked.
     --dry-run exits 5 when a warm restore would be refused.
     """
-    from agent import engines
-
-    main = _main()
     policy = ckpt.Policy.from_strings(ignore=ignore or [])
-    with main._open_repo(ctx, repo, key) as r:
+    with open_repo(ctx, repo, key) as r:
         m = r.manifest(ref)
         try:
             engine = engines.attach(connector, engine_name)
@@ -245,20 +231,16 @@ def restore_cmd(
             if json_:
                 typer.echo(json.dumps(decision.to_json(), default=str))
             else:
-                from rich.table import Table
-
                 table = Table(title=f"restore plan for {m.id}", title_justify="left")
                 for col in ("rule", "verdict", "checkpoint", "here"):
                     table.add_column(col, overflow="fold")
                 for x in decision.results:
-                    table.add_row(x.rule, str(x.verdict), main._show(x.recorded), main._show(x.current))
-                main._console().print(table)
+                    table.add_row(x.rule, str(x.verdict), show(x.recorded), show(x.current))
+                console().print(table)
                 verdict = "warm: load the checkpoint's blocks" if decision.warm else "cold: replay the ledger"
-                typer.echo(
-                    _safe(f"plan: {verdict}; {decision.requests} requests to resubmit, {decision.blocks} blocks")
-                )
+                typer.echo(safe(f"plan: {verdict}; {decision.requests} requests to resubmit, {decision.blocks} blocks"))
                 for line in decision.reasons:
-                    typer.echo(_safe(f"  {line}"))
+                    typer.echo(safe(f"  {line}"))
             if not decision.warm:
                 raise typer.Exit(exitcodes.INCOMPATIBLE)
             return
@@ -303,13 +285,13 @@ def restore_cmd(
     if json_:
         typer.echo(json.dumps(report, default=str))
         return
-    typer.echo(_safe(f"restore of {m.id}: {'warm' if result.warm else 'cold (ledger replay)'}"))
+    typer.echo(safe(f"restore of {m.id}: {'warm' if result.warm else 'cold (ledger replay)'}"))
     for line in result.reasons:
-        typer.echo(_safe(f"  {line}"))
+        typer.echo(safe(f"  {line}"))
     if outputs:
         for rid, o in outputs.items():
             typer.echo(
-                _safe(f"  {rid}: {len(o['new_token_ids'])} new tokens, {o['cached_tokens']} prompt tokens from cache")
+                safe(f"  {rid}: {len(o['new_token_ids'])} new tokens, {o['cached_tokens']} prompt tokens from cache")
             )
     elif result.requests:
         typer.echo(f"  {len(result.requests)} requests to resubmit (pass --worker-url to resubmit them)")
@@ -348,9 +330,8 @@ def _has_checkpoint(ctx: typer.Context, repo: str | None, key: str | None, worke
     """Whether the agent will have something to restore (then the worker's server holds retries)."""
     if base is not None and not base.restore.on_start:
         return False
-    main = _main()
     try:
-        with main._open_repo(ctx, repo, key) as r:
+        with open_repo(ctx, repo, key) as r:
             r.resolve(f"{worker_id}:latest")
         return True
     except (ckpt.GpuckptError, OSError):
@@ -363,8 +344,6 @@ def _die_with(parent: int) -> Any:
     dies never leaves a worker serving, holding the GPU and the port, with no agent beside it."""
 
     def arm() -> None:
-        import ctypes
-
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # launch died before the signal was armed
@@ -397,15 +376,10 @@ def launch_cmd(
 
     The agent restores the worker's newest checkpoint at start and takes a final one on stop.
     """
-    from agent import engines
-    from agent.daemon import agent as agent_mod
-    from agent.daemon import config as config_mod
+    from agent.daemon import agent as agent_mod  # late: as in agent_run
 
-    main = _main()
     if not command:
         raise typer.BadParameter("give the worker command after --, e.g. -- vllm serve MODEL")
-    from agent import fs
-
     rdir = runtime_dir or default_runtime_dir()
     # sockets and staging go here: /tmp/gpuckpt-$UID (without XDG_RUNTIME_DIR) may have been made by
     # someone else first, and is then refused, named — never adopted
@@ -434,8 +408,8 @@ def launch_cmd(
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104 - we connect, not bind
     overrides: dict[str, Any] = {
         "worker_id": worker_id,
-        "repository": main._repo_url(ctx, repo),
-        "key": key or main._settings(ctx).key,
+        "repository": repo_url(ctx, repo),
+        "key": key or settings(ctx).key,
         "engine": engine.name,
         "connector_socket": str(connector),
         "worker_url": f"http://{host}:{port}",

@@ -21,7 +21,8 @@ from typer.testing import CliRunner, Result
 import ckpt
 from ckpt import lock as lock_mod
 from ckpt.pins import Pins, WorkerFacts
-from cli.main import _safe, app
+from cli._common import safe as _safe
+from cli.main import app
 from tests.test_api_bounds import _WORKER
 
 # Clear screen, set the window title (OSC … BEL), C1 CSI, a right-to-left override,
