@@ -11,9 +11,9 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from agent.engines.vllm.connector import page_format  # noqa: E402
+from agent.engines.vllm.describe import page_format  # noqa: E402
 from ckpt import Pins, WorkerFacts, decide  # noqa: E402
-from tests.helpers import sample_pins  # noqa: E402
+from tests.harness.repo import sample_pins  # noqa: E402
 
 
 def dense(heads: int) -> FullAttentionSpec:

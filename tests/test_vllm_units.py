@@ -143,7 +143,7 @@ def test_worker_meta_of_every_rank_is_kept() -> None:
 
 def test_malformed_request_states_are_rejected_one_by_one() -> None:
     pytest.importorskip("vllm")
-    from agent.engines.vllm.connector import _check_states
+    from agent.engines.vllm.commands import check_states as _check_states
 
     ok, rejected = _check_states(
         {
@@ -159,7 +159,7 @@ def test_malformed_request_states_are_rejected_one_by_one() -> None:
 
 
 def test_a_corrupt_generator_state_replays_that_request_cold_and_nothing_else() -> None:
-    from agent.engines.driver import _annotate, _request_states
+    from agent.session.restore import _annotate, _request_states
 
     entries = [
         entry(client_request_id="seeded", generator_state="%%%corrupt%%%", sampling={"seed": 1}),

@@ -11,11 +11,11 @@ cache, in the scheduler process (the one that owns the KV pools)::
                                 "staging_dir": PATH | null,
                                 "shared_group": NAME | null}}'
 
-(:func:`agent.engines.sglang.serve.serve_command` builds these.) It serves
-gpuckpt's control socket (:mod:`agent.engines.control`) from a thread, with
-the commands and reply shapes of the vLLM connector
-(:mod:`agent.engines.vllm.connector`), so :mod:`agent.engines.driver`
-checkpoints and restores it unchanged.
+(:func:`agent.engines.sglang.serve.serve_command` builds these.) It is a
+:class:`agent.engines.service.WorkerService`: it serves the control protocol
+(:mod:`agent.engines.protocol`) from a thread with the vLLM adapter's reply
+shapes, so the agent's session code checkpoints and restores it unchanged;
+this module holds only what is SGLang's.
 
 Step boundary: the scheduler asks the linker ``num_completed_offloads()``
 once per loop iteration (``check_hicache_events``, at the start of
@@ -64,7 +64,7 @@ SGLang then aborts those requests. The linker loads whole pages only: a
 captured tail page is stored, but a restored request recomputes its tail.
 
 Never harm the server: every linker method and command runs under
-:func:`_guard`; an exception is logged and answered safely (no hit, no load,
+:func:`agent.engines.service.guard`; an exception is logged and answered safely (no hit, no load,
 an error reply). ``offload`` returns False: nothing is written through.
 
 Limits: MHA KV pools (``MHATokenToKVPool``: ``k_buffer``/``v_buffer``), TP =
@@ -75,19 +75,14 @@ a linker).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import os
 import sys
-import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -98,16 +93,15 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 from sglang.srt.mem_cache.utils import get_storage_hash_str, storage_namespace_seed
 
-from agent import fs
-from agent.engines import control, staging
-from agent.engines.offers import OfferBook
+from agent.engines import staging
+from agent.engines.protocol import Keys, Next
+from agent.engines.service import Reply, Waiter, WorkerService, guard
 from agent.engines.sglang import ledger as ledger_mod
+from agent.engines.sglang.describe import describe
 from agent.fs import Trust
 
 log = logging.getLogger("gpuckpt.sglang")
 
-#: The page-hash scheme of SGLang's storage keys (recorded in the namespace and the pins).
-HASH_SCHEME = "sglang-storage-sha256/sglang-cache-namespace-v1"
 #: Finished requests whose token sequences a capture looks up in the prefix cache.
 DEFAULT_TRACK = 4096
 #: A stream with no word from the agent for this long is abandoned (its page file deleted).
@@ -133,55 +127,6 @@ def page_keys(tokens: list[int], n: int, page_size: int, extra_key: str | None, 
     key = RadixKey(array("q", tokens[:full]), extra_key=extra_key, cache_salt=cache_salt)
     out = get_storage_hash_str(key, None, page_size=page_size)
     return [out] if isinstance(out, str) else list(out)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _guard(recover: Callable[..., Any]) -> Callable[[_F], _F]:
-    """Run a linker method so that nothing it raises reaches SGLang: log it, count it, and return
-    ``recover(self, *args, **kwargs)`` (which must not raise; if it does, ``None``)."""
-
-    def deco(fn: _F) -> _F:
-        name = fn.__name__
-
-        @functools.wraps(fn)
-        def wrapper(self: GpuckptLinker, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(self, *args, **kwargs)
-            except Exception:
-                log.exception("gpuckpt: %s failed; the server goes on without it", name)
-                self._failures[name] = self._failures.get(name, 0) + 1
-                try:
-                    return recover(self, *args, **kwargs)
-                except Exception:
-                    log.exception("gpuckpt: recovering from a failed %s failed", name)
-                    return None
-
-        return wrapper  # type: ignore[return-value]
-
-    return deco
-
-
-@dataclass
-class _Waiter:
-    """A control call waiting for a step boundary (answered on the scheduler thread)."""
-
-    kind: str  # "capture" or "wait"
-    when: dict[str, int] | None = None
-    full: bool = False
-    prefix_only: bool = False
-    event: threading.Event = field(default_factory=threading.Event)
-    reply: dict[str, Any] | None = None
-    requested: float = field(default_factory=time.monotonic)
-
-
-def _condition(raw: Any) -> dict[str, int] | None:
-    if not raw:
-        return None
-    if not isinstance(raw, dict) or not set(raw) <= {"live", "min_outputs"}:
-        raise ValueError(f"a condition is {{'live': n, 'min_outputs': k}}, not {raw!r}")
-    return {k: int(v) for k, v in raw.items()}
 
 
 def _plain(v: Any) -> Any:
@@ -219,7 +164,7 @@ def _find_scheduler() -> Any:
     return None
 
 
-class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
+class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
     """See the module docstring. Constructed by SGLang's linker factory (``backend=dynamic``)."""
 
     def __init__(
@@ -232,8 +177,14 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         forward_stream: Any = None,
     ) -> None:
         extra = dict(extra_config or {})
+        tag = hashlib.sha256(str(extra.get("control_socket", "")).encode()).hexdigest()[:12]
+        WorkerService.__init__(
+            self,
+            staging_dir=str(extra.get("staging_dir") or staging.default_dir(f"sglang-{tag}")),
+            trust=Trust.of(extra.get("shared_group") or None),
+            faults=set(extra.get("inject_faults") or ()),
+        )
         self.forward_stream = forward_stream
-        self._failures: dict[str, int] = {}
         self._server_args = server_args
         self.page_size = int(params.page_size)
         self._kvpool = params.token_to_kv_pool_allocator.get_kvcache()
@@ -255,31 +206,17 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         self.layer_done_counter = LayerWiseLoadCounter(max(1, len(self._k)))
         self._scheduler = _find_scheduler()
         self._track = int(extra.get("track_requests") or DEFAULT_TRACK)
-        tag = hashlib.sha256(str(extra.get("control_socket", "")).encode()).hexdigest()[:12]
-        self._staging_dir = str(extra.get("staging_dir") or staging.default_dir(f"sglang-{tag}"))
-        self._trust = Trust.of(extra.get("shared_group") or None)
-        self._lock = threading.Lock()
-        self._waiters: list[_Waiter] = []
-        self._any_waiter = False  # read without the lock on every loop: set under it
         self._step = 0
         self._seq = 0
         self._stream: dict[str, Any] | None = None  # the capture not yet acknowledged: seq, index, touched
-        self._last_stream: dict[str, Any] = {}
-        self._offers = OfferBook(self._expire_offer)  # the restore offer and the durable keys
         self._files: dict[str, staging.PageFile] = {}  # open mappings of offered files
-        self._retired: list[str] = []  # ended offers' files: closed and deleted at the next boundary
         self._pending: dict[str, tuple[torch.Tensor, list[tuple[str, bytes]]]] = {}
         self._restored: dict[str, int] = {}  # rid → tokens loaded from offered pages
         self._lookups = 0
         self._seen: OrderedDict[str, Any] = OrderedDict()  # rid → Req, most recent last
-        self._facts: dict[str, Any] | None = None
-        self._facts_lock = threading.Lock()
-        self._server: control.ControlServer | None = None
         sock = extra.get("control_socket")
         if sock:
-            path = Path(str(sock))
-            fs.ensure_socket_dir(path.parent, self._trust)
-            self._server = control.ControlServer(path, self._handle)
+            self.serve(str(sock))
         log.info("gpuckpt: linker loaded (page size %d, control socket %s)", self.page_size, sock)
 
     # ------------------------------------------------------------------ engine state
@@ -341,15 +278,15 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         live = self._live()
         if live:
             self._remember(live)
-        if self._retired:
-            with self._lock:
+        if self.retired:
+            with self.lock:
                 self._retire()
-        if not self._any_waiter:
+        if not (self.capture_calls or self.wait_calls):  # read without the lock on every loop
             return
-        with self._lock:
-            due = [w for w in self._waiters if self._met(w.when, live)]
-            self._waiters = [w for w in self._waiters if w not in due]
-            self._any_waiter = bool(self._waiters)
+        with self.lock:
+            due = [w for w in self.wait_calls + self.capture_calls if self._met(w.when, live)]
+            self.wait_calls = [w for w in self.wait_calls if w not in due]
+            self.capture_calls = [w for w in self.capture_calls if w not in due]
         for w in due:
             if w.kind == "wait":
                 w.reply = {"ok": True, **self._progress(live)}
@@ -358,25 +295,20 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
                     w.reply = self._capture(w, live)
                 except Exception as exc:
                     log.exception("gpuckpt: capture failed")
-                    self._failures["capture"] = self._failures.get("capture", 0) + 1
+                    self.failures["capture"] = self.failures.get("capture", 0) + 1
                     w.reply = {"ok": False, "error": f"capture failed: {type(exc).__name__}: {exc}"}
             w.event.set()
-        with self._lock:
+        with self.lock:
             st = self._stream
             if st is not None and time.monotonic() - st["touched"] > STREAM_IDLE_S:
                 self._end_stream("no word from the agent")
 
     def _retire(self) -> None:
-        """Close and delete the page files of ended offers (lock held, scheduler thread: no load runs)."""
-        out, self._retired = self._retired, []
-        for path in out:
+        """Delete and close the page files of ended offers (lock held, scheduler thread: no load runs)."""
+        for path in self.retire_files():
             pf = self._files.pop(path, None)
             if pf is not None:
                 pf.close()
-            try:
-                staging.unlink_pair(path)
-            except OSError as exc:
-                log.warning("gpuckpt: could not delete the page file %s: %s", path, exc)
 
     def _page_shape(self) -> tuple[int, ...]:
         k = self._k[0]
@@ -385,7 +317,7 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def _dtype(self) -> str:
         return str(self._k[0].dtype).removeprefix("torch.")
 
-    def _capture(self, w: _Waiter, live: list[Any]) -> dict[str, Any]:
+    def _capture(self, w: Waiter, live: list[Any]) -> dict[str, Any]:
         """Plan and copy a capture at this boundary; the reply to the capture call (chunk 0, done)."""
         if self._disabled:
             return {"ok": False, "error": f"gpuckpt cannot capture this server: {self._disabled}"}
@@ -434,10 +366,10 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
                     pages.setdefault(tk, (page, rest))
                     tails += 1
         prefix = self._prefix_pages(pages)
-        skipped = [] if w.full else [k for k in pages if k in self._offers.durable]
-        copy = [(k, v) for k, v in pages.items() if w.full or k not in self._offers.durable]
+        skipped = [] if w.full else [k for k in pages if k in self.offers.durable]
+        copy = [(k, v) for k, v in pages.items() if w.full or k not in self.offers.durable]
         plan_s = time.monotonic() - t0
-        with self._lock:
+        with self.lock:
             if self._stream is not None:
                 self._end_stream("superseded by a new capture")
             self._seq += 1
@@ -448,7 +380,7 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         ledger = None if w.prefix_only else ledger_mod.make_ledger(entries, page_size=p)
         dev = str(self._k[0].device)
         heads = int(self._k[0].shape[1])
-        with self._lock:
+        with self.lock:
             self._stream = {"seq": seq, "index": str(index), "touched": time.monotonic()}
         stats = {
             "step": self._step,
@@ -523,12 +455,12 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def _write(self, name: str, copy: list[tuple[bytes, tuple[torch.Tensor, int | None]]]) -> tuple[int, int, Path]:
         """Copy pages out of the pools into page file ``name``: (pages, bytes, index path)."""
         w = staging.PageWriter(
-            self._staging_dir,
+            self.staging_dir,
             name,
             dtype=self._dtype(),
             page_shape=self._page_shape(),
             layers=[f"layer.{i}" for i in range(len(self._k))],
-            trust=self._trust,
+            trust=self.trust,
         )
         nbytes = 0
         try:
@@ -558,14 +490,14 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def _no_hit(self, *args: Any, **kwargs: Any) -> list[int]:
         return []
 
-    @_guard(_no_hit)
+    @guard(_no_hit)
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         """The prefix lengths (pages) whose every page key is offered: ``[1, …, n]``."""
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
-        if kv is None or not kv.keys or not self._offers.keys:
+        if kv is None or not kv.keys or not self.offers.keys:
             return []
         self._lookups += 1
-        offer = self._offers.keys  # replaced, never mutated: a consistent snapshot
+        offer = self.offers.keys  # replaced, never mutated: a consistent snapshot
         n = 0
         for kh in kv.keys:
             if bytes.fromhex(kh) not in offer:
@@ -576,13 +508,13 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def _refuse(self, *args: Any, **kwargs: Any) -> bool:
         return False
 
-    @_guard(_refuse)
+    @guard(_refuse)
     def load(self, rid: str, transfers: list[Any]) -> bool:
         """Queue the offered pages of ``transfers``' keys for the request's device slots."""
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is None or kv.device_indices is None or not kv.keys:
             return False
-        offer = self._offers.keys
+        offer = self.offers.keys
         plan: list[tuple[str, bytes]] = []
         for kh in kv.keys:
             kb = bytes.fromhex(kh)
@@ -599,7 +531,7 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         self._pending.clear()
         return -1
 
-    @_guard(_failed_start)
+    @guard(_failed_start)
     def start_layer_wise_loading(self) -> int:
         """Copy every queued load into the pools now (before the forward); the counter index."""
         if not self._pending:
@@ -621,7 +553,7 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
         dtype = self._k[0].dtype
         device = self._k[0].device
         for rid, (slots, plan) in pending.items():
-            with self._lock:
+            with self.lock:
                 files = []
                 for path, _ in plan:
                     pf = self._files.get(path)
@@ -640,11 +572,11 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def _landed_false(self, *args: Any, **kwargs: Any) -> bool:
         return False
 
-    @_guard(_landed_false)
+    @guard(_landed_false)
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return bool(self.layer_done_counter.finish(counter_index))
 
-    @_guard(_refuse)
+    @guard(_refuse)
     def cancel_queued_load(self, rid: str) -> bool:
         return self._pending.pop(rid, None) is not None
 
@@ -655,7 +587,7 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def _zero(self, *args: Any, **kwargs: Any) -> int:
         return 0
 
-    @_guard(_zero)
+    @guard(_zero)
     def num_completed_offloads(self) -> int:
         """Never any (see :meth:`offload`); called once per scheduler loop: the step boundary."""
         self._boundary()
@@ -664,70 +596,36 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
     def pop_completed_offload(self) -> bool:
         return False
 
-    @_guard(lambda self: None)
+    @guard(lambda self: None)
     def reset(self) -> None:
         """SGLang flushed its cache: queued loads go (the offer stays)."""
         self._pending.clear()
         self.layer_done_counter.reset()
 
-    @_guard(lambda self: None)
+    @guard(lambda self: None)
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        with self._lock:
-            self._end_offer()
+        self.close_server()
+        with self.lock:
+            self.end_offer()
             self._retire()
 
-    # ------------------------------------------------------------------ control channel (control threads)
+    # ------------------------------------------------------------------ the control protocol (control threads)
 
-    def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        """One control request → its reply (``ok`` and the rest); an exception becomes an error reply."""
-        commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-            "ping": lambda r: {"ok": True, "pid": os.getpid()},
-            "describe": lambda r: {"ok": True, **self._describe()},
-            "capture": self._cmd_capture,
-            "wait": self._cmd_capture,
-            "next": self._cmd_next,
-            "cancel": self._cmd_cancel,
-            "offer": self._cmd_offer,
-            "keys": self._cmd_keys,
-            "withdraw": self._cmd_withdraw,
-            "durable": self._cmd_durable,
-            "sweep": self._cmd_sweep,
-            "stats": self._cmd_stats,
-        }
-        cmd = req.get("cmd")
-        handler = commands.get(cmd) if isinstance(cmd, str) else None
-        if handler is None:
-            return {"ok": False, "error": f"unknown command {cmd!r}"}
-        return handler(req)
+    def describe_worker(self) -> dict[str, Any]:
+        return describe(self._server_args, self._k, self.page_size, self._tp, self._pp)
 
-    def _cmd_capture(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``capture {"when", "full", "prefix_only", "timeout"}`` → chunk 0 with the ledger;
-        ``wait {"when", "timeout"}`` → the step boundary where ``when`` held."""
-        kind = str(req["cmd"])
-        w = _Waiter(
-            kind, _condition(req.get("when")), bool(req.get("full", False)), bool(req.get("prefix_only", False))
-        )
-        with self._lock:
-            self._waiters.append(w)
-            self._any_waiter = True
-        if w.event.wait(float(req.get("timeout", 60))):
-            assert w.reply is not None
-            return w.reply
-        with self._lock:
-            if w in self._waiters:
-                self._waiters.remove(w)
-                self._any_waiter = bool(self._waiters)
-        if w.event.is_set() and w.reply is not None:  # answered as the wait ran out
-            if w.kind == "capture" and w.reply.get("ok"):
-                with self._lock:
-                    self._end_stream("the capture call timed out")
-                return {"ok": False, "error": "the capture call timed out as it was answered"}
-            return w.reply
-        what = f"waiting for {w.when}" if w.when else "is the scheduler paused?"
-        return {"ok": False, "error": f"no step boundary answered the {kind} within the timeout ({what})"}
+    def waiting_for(self, w: Waiter) -> str:
+        return f"waiting for {w.when}" if w.when else "is the scheduler paused?"
+
+    def end_stream_of(self, w: Waiter, seq: int, why: str) -> None:
+        self._end_stream(why)
+
+    def stream_cancel(self, seq: int, why: str) -> bool:
+        st = self._stream
+        if st is not None and (seq < 0 or st["seq"] == seq):
+            self._end_stream(why)
+            return True
+        return False
 
     def _end_stream(self, error: str | None) -> None:
         """Close the capture stream (lock held); with ``error``, delete what it staged."""
@@ -736,197 +634,57 @@ class GpuckptLinker(UnifiedCacheLinker):  # type: ignore[misc]
             return
         if error is not None:
             staging.unlink_pair(st["index"])
-        self._last_stream = {"seq": st["seq"], "error": error, "chunks": 1, "lost_pages": 0}
+        self.last_stream = {"seq": st["seq"], "error": error, "chunks": 1, "lost_pages": 0}
         self._stream = None
 
-    def _cmd_next(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``{"seq", "ack"}``: a capture is one chunk, so the next call after it is ``done``."""
-        seq = int(req.get("seq", -1))
-        with self._lock:
+    def on_next(self, msg: Next) -> Reply:
+        """A capture is one chunk, so the next call after it is ``done``."""
+        seq = msg.seq
+        with self.lock:
             st = self._stream
             if st is not None and st["seq"] == seq:
                 self._end_stream(None)
-            last = self._last_stream
+            last = self.last_stream
             if last.get("seq") == seq and last.get("error") is None:
                 return {"ok": True, "done": True, **last}
             why = last.get("error") if last.get("seq") == seq else "no such capture in flight"
         return {"ok": False, "error": f"capture {seq}: {why}"}
 
-    def _cmd_cancel(self, req: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            st = self._stream
-            if st is not None and st["seq"] == int(req.get("seq", -1)):
-                self._end_stream("cancelled by the agent")
-                return {"ok": True, "cancelled": True}
-        return {"ok": True, "cancelled": False}
+    def check_page_file(self, pf: staging.PageFile) -> None:
+        want = (self._dtype(), self._page_shape()) if self._k else None
+        got = (pf.index.dtype, tuple(pf.index.page_shape))
+        if got != want:
+            raise staging.PageFileError(f"offered pages are {got}, this server's are {want}")
 
-    def _cmd_sweep(self, req: dict[str, Any]) -> dict[str, Any]:
-        """End any capture stream and delete capture page files no stream owns (a killed agent's)."""
-        with self._lock:
-            self._end_stream("the agent restarted (sweep)")
-        removed: list[str] = []
-        d = Path(self._staging_dir)
-        if d.is_dir():
-            for pat in ("capture-*.json", "capture-*.bin"):
-                for p in sorted(d.glob(pat)):
-                    p.unlink(missing_ok=True)
-                    removed.append(p.name)
-        return {"ok": True, "removed": removed}
+    def keep_page_file(self, path: str, pf: staging.PageFile) -> bool:
+        """Offered files stay mapped for the loads (lock held); one offered again replaces its mapping."""
+        old = self._files.pop(path, None)
+        if old is not None:
+            old.close()
+        self._files[path] = pf
+        return True
 
-    def _cmd_offer(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``{"index", "requests", "ttl", "generation"}``: offer a page file's pages (request states:
-        none apply to SGLang, all are accepted and ignored)."""
-        index = req.get("index")
-        pf: staging.PageFile | None = None
-        if index:
-            pf = staging.PageFile(index, trust=self._trust)
-            want = (self._dtype(), self._page_shape()) if self._k else None
-            got = (pf.index.dtype, tuple(pf.index.page_shape))
-            if got != want:
-                pf.close()
-                return {"ok": False, "error": f"offered pages are {got}, this server's are {want}"}
-        ttl = req.get("ttl")
-        with self._lock:
-            gen = req.get("generation")
-            if not self._offers.admit(gen):
-                if pf is not None:
-                    pf.close()
-                    staging.unlink_pair(str(index))
-                return {"ok": False, "error": f"the offer of generation {gen} has ended", "ended": True}
-            keys: list[bytes] = []
-            if pf is not None:
-                path = str(index)
-                old = self._files.pop(path, None)
-                if old is not None:
-                    old.close()
-                self._files[path] = pf
-                keys = list(pf.index.keys)
-                self._offers.add(path, keys)
-            if ttl is not None:
-                self._offers.expire_after(float(ttl))
-            generation = self._offers.generation
-        states = req.get("requests") or {}
-        return {"ok": True, "offered": len(keys), "requests": len(states), "rejected": {}, "generation": generation}
-
-    def _end_offer(self) -> None:
-        """Withdraw every offered page (lock held); the files go at the next boundary."""
-        self._retired.extend(self._offers.end())
-
-    def _expire_offer(self) -> None:
-        with self._lock:
-            n = len(self._offers.keys)
-            files = self._offers.expired()
-            if files is not None:
-                log.info("gpuckpt: the restore offer expired (%d pages)", n)
-                self._retired.extend(files)
-
-    def _cmd_withdraw(self, req: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            files = len(self._offers.files)
-            self._end_offer()
-        return {"ok": True, "files": files}
-
-    def _cmd_durable(self, req: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            return self._offers.mark(req)
-
-    def _cmd_keys(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``{"requests": [{"token_ids", "kv_tokens", "extra_key", "cache_salt"}]}`` → each request's
-        page keys (hex) in order: full pages, then the tail key of a partial last page."""
+    def on_keys(self, msg: Keys) -> Reply:
+        """Each request's page keys (hex) in order: full pages, then the tail key of a partial last page."""
         out = []
         p = self.page_size
-        for r in req.get("requests") or []:
-            ids = [int(t) for t in r.get("token_ids") or []]
-            n = min(int(r.get("kv_tokens", len(ids))), len(ids))
-            extra_key, salt = r.get("extra_key"), r.get("cache_salt")
-            keys = page_keys(ids, n, p, extra_key, salt)
+        for r in msg.requests:
+            ids = list(r.token_ids)
+            n = r.kv_tokens
+            keys = page_keys(ids, n, p, r.extra_key, r.cache_salt)
             if n > len(keys) * p:
-                keys.append(tail_key(keys[-1] if keys else None, ids[len(keys) * p : n], extra_key, salt).hex())
+                keys.append(
+                    tail_key(keys[-1] if keys else None, ids[len(keys) * p : n], r.extra_key, r.cache_salt).hex()
+                )
             out.append(keys)
         return {"ok": True, "keys": out}
 
-    def _cmd_stats(self, req: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "ok": True,
-                "restored_tokens": dict(self._restored),
-                "step": self._step,
-                "lookups": self._lookups,
-                "offered": len(self._offers.keys),
-                "offer_files": sorted(self._offers.files),
-                "files_to_delete": len(self._retired),
-                "durable": len(self._offers.durable),
-                "tracked_requests": len(self._seen),
-                "captures_pending": sum(1 for w in self._waiters if w.kind == "capture"),
-                "waits_pending": sum(1 for w in self._waiters if w.kind == "wait"),
-                "stream": None if self._stream is None else {"seq": self._stream["seq"]},
-                "last_stream": dict(self._last_stream),
-                "hook_failures": dict(self._failures),
-                "disabled": self._disabled,
-            }
-
-    def _describe(self) -> dict[str, Any]:
-        with self._facts_lock:
-            if self._facts is None:
-                self._facts = describe(self._server_args, self._k, self.page_size, self._tp, self._pp)
-            return self._facts
-
-
-def describe(server_args: Any, k: list[torch.Tensor], page_size: int, tp: int, pp: int) -> dict[str, Any]:
-    """The server's pins, layout and namespace fields (see :class:`agent.engines.base.WorkerDescription`)."""
-    import sglang
-
-    from ckpt import ABSENT, fingerprint
-
-    model = str(getattr(server_args, "model_path", "") or "")
-    tok = str(getattr(server_args, "tokenizer_path", None) or model)
-    model_digest = fingerprint.model_digest(model) if os.path.isdir(model) else None
-    tokenizer_digest = fingerprint.tokenizer_digest(tok) if os.path.isdir(tok) else None
-    backend = getattr(server_args, "attention_backend", None)
-    device = str(k[0].device.type) if k else str(getattr(server_args, "device", None))
-    heads = int(k[0].shape[1]) if k else None
-    head_dim = int(k[0].shape[2]) if k else None
-    dtype = str(k[0].dtype).removeprefix("torch.") if k else None
-    layout = f"sglang:{device}:{backend}:mha:[slot,kv_heads,head_dim]:k{head_dim}+v{head_dim}" if k else None
-    revision = getattr(server_args, "revision", None)
-    facts = {
-        "engine": "sglang",
-        "engine_version": str(sglang.__version__),
-        "attention_backend": backend,
-        "kv_layout": layout,
-        "block_size": page_size,
-        "kv_dtype": dtype,
-        "num_kv_heads": heads,
-        "head_size": head_dim,
-        # the scheduler loop: with overlap scheduling a step boundary sees outputs one step behind
-        "model_runner": "overlap" if not getattr(server_args, "disable_overlap_schedule", False) else "normal",
-        "tensor_parallel_size": tp,
-        "pipeline_parallel_size": pp,
-        "rank": 0,
-        "model": model,
-        "model_revision": revision if revision or not os.path.isdir(model) else ABSENT,
-        "model_digest": model_digest,
-        "tokenizer_digest": tokenizer_digest,
-        "prefix_hash_algo": HASH_SCHEME.split("/")[0],
-        "prefix_hash_seed": HASH_SCHEME.split("/")[1],
-    }
-    layout_doc = {
-        "device": device,
-        "attention_backend": backend,
-        "page_size": page_size,
-        "block_size": page_size,
-        "num_kv_heads": heads,
-        "head_size": head_dim,
-        "dtype": dtype,
-        "layers": len(k),
-        "tensor_parallel_size": tp,
-        "page": "one page across all layers, layer-major: [layers, 2 (K, V), page_size, kv_heads, head_dim]",
-    }
-    ns = {
-        "engine": "sglang",
-        "model": model_digest or f"path:{model}",
-        "layout": layout or "unknown",
-        "kv": f"{dtype}/ps{page_size}/h{heads}x{head_dim}/l{len(k)}",
-        "hash": HASH_SCHEME,
-    }
-    return {"facts": facts, "layout": layout_doc, "namespace": ns}
+    def engine_stats(self) -> dict[str, Any]:
+        return {
+            "restored_tokens": dict(self._restored),
+            "step": self._step,
+            "lookups": self._lookups,
+            "tracked_requests": len(self._seen),
+            "stream": None if self._stream is None else {"seq": self._stream["seq"]},
+            "disabled": self._disabled,
+        }

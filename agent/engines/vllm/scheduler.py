@@ -1,0 +1,408 @@
+"""The connector's scheduler half (EngineCore process): matching, holds, request states, tails.
+
+Built by :class:`.connector.GpuckptConnector` for the scheduler role; every
+hook is called under the facade's guard. The control side (capture planning
+and streaming, page keys, the offer) is :class:`.commands.VllmService`, which
+this class extends: one lock, one set of state.
+
+Restore: the agent writes page files of verified blocks and sends ``offer``
+(a streaming restore: the in-flight requests' pages first — ``keys`` names
+them, hashed by this engine — then the rest, each later part under the first
+offer's ``generation``, refused once that offer ended). From then on,
+:meth:`SchedulerHalf.get_num_new_matched_tokens` reports the longest run of
+offered blocks after the local prefix hit as an external hit (leaving at
+least one token to compute), and the worker half loads those pages
+synchronously in ``start_load_kv``, before the forward. Behind the in-flight
+pages the agent names what the rest brings (``coming``): a request whose next
+pages are coming waits for them (briefly: ``want_s``) and asks for them —
+the next part's reply lists them ``wanted``, and the agent brings them in the
+part after, ahead of the rest.
+
+Staging lifetime: an offered page file belongs to the connector. It is
+deleted when the offer ends — ``withdraw``, or the offer's ``ttl`` — at the
+next step boundary (the workers close their mappings from that step's
+metadata, ``close_files``). ``sweep`` ends a capture stream nobody reads and
+deletes capture page files no stream owns (a killed agent's).
+
+Finished requests: :meth:`SchedulerHalf.request_finished` delays the free of a
+request whose KV ends inside a block; the next step's metadata asks the worker
+to copy that partial tail into a bounded in-memory store (keyed by
+:func:`.meta.tail_key`), the worker reports the request in
+``finished_sending`` and vLLM frees the blocks. Every capture includes the
+stored tails, so a conversation's next turn after a restore is served from
+the restored cache up to its last token.
+
+Request state on restore: the offer carries, per client request id, what a
+resubmitted request needs beyond its tokens (see :mod:`.ledger`): the seeded
+generator state, the earlier outputs for penalties and bad words, and for
+structured outputs the earlier outputs to advance the new grammar by. It is
+handed over at the request's first schedule, and only to the request that
+continues the ledger entry (:meth:`SchedulerHalf.apply_request_state`).
+
+Limits: one KV cache group, PP = 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Container
+from typing import TYPE_CHECKING, Any
+
+from agent.engines import staging
+from agent.engines.base import token_digest
+from agent.engines.vllm.capture import parse_job
+from agent.engines.vllm.commands import VllmService
+from agent.engines.vllm.ledger import client_id
+from agent.engines.vllm.meta import GpuckptMeta, GpuckptWorkerMeta, tail_key
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("gpuckpt.vllm")
+
+
+class SchedulerHalf(VllmService):
+    """See the module docstring. Thread-safe: hooks run on the scheduler thread, control calls on
+    the control server's; ``lock`` guards both."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> None:
+        super().__init__(vllm_config, kv_cache_config, extra)
+        # Tests and benchmarks: slow every step by this much (pacing an engine that would otherwise
+        # finish the traffic before the moment a test observes); 0 in production.
+        self.step_delay = float(extra.get("step_delay_s") or 0.0)
+        self.plans: dict[str, tuple[int, list[bytes]]] = {}
+        self.loads: list[tuple[int, str, str]] = []
+        self.fail_loads: list[int] = []
+        self.tail_copies: list[tuple[str, int, str]] = []
+        self.tails_inflight: set[str] = set()
+        self.gen_loads: list[tuple[str, str]] = []
+        self.prior_loads: list[tuple[str, list[int]]] = []
+
+    # ------------------------------------------------------------------ binding
+
+    def bind_gpu_block_pool(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        """Called from ``Scheduler.__init__`` inside ``EngineCoreProc.__init__``; the engine's input
+        queue may not exist yet, so keep the engine object (found in the calling frames)."""
+        self.kv_manager = manager
+        f = sys._getframe(1)
+        while f is not None:
+            obj = f.f_locals.get("self")
+            if obj is not None and hasattr(type(obj), "_handle_client_request"):
+                self.engine = obj
+                break
+            f = f.f_back  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ hooks
+
+    def has_pending_push_work(self) -> bool:
+        """A capture in flight keeps an idle engine stepping until the worker half reports its page
+        file (written off the step, one or more steps later); so do tail copies, files to delete and
+        the ranks' reports not yet in. (Conditional waiters wait for requests, which keep the engine
+        stepping themselves.)"""
+        unconditional = any(not w.when for w in self.capture_calls)
+        streaming = self.stream is not None and self.stream.needs_steps()
+        return (
+            bool(unconditional or streaming or self.tail_copies or self.tails_inflight or self.retired)
+            or self.wants_reports()
+        )
+
+    def on_new_request(self, request: Request) -> None:
+        with self.lock:
+            self.live[request.request_id] = request
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Delay the free of a finished request whose KV ends inside a block, so the next step can
+        copy that partial tail (see :class:`.GpuckptMeta`)."""
+        with self.lock:
+            self.live.pop(request.request_id, None)
+            self.plans.pop(request.request_id, None)
+            if self.tail_cap <= 0:
+                return False, None
+            bs = self.block_size
+            n = int(request.num_computed_tokens)  # block_ids cover these tokens
+            n_full = n // bs
+            if n % bs == 0 or n_full >= len(block_ids) or n_full > len(request.block_hashes):
+                return False, None
+            parent = bytes(request.block_hashes[n_full - 1]) if n_full else b""
+            lora = getattr(request.lora_request, "lora_name", None)
+            key = tail_key(parent, request.all_token_ids[n_full * bs : n], request.cache_salt, lora)
+            if key in self.tail_keys:
+                return False, None
+            self.tail_copies.append((key.hex(), block_ids[n_full], request.request_id))
+            return True, None
+
+    def no_match(self, request: Request) -> tuple[int, bool]:
+        """The safe answer of a failed match: no external hit, nothing planned."""
+        with self.lock:
+            self.plans.pop(request.request_id, None)
+        return 0, False
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The offered blocks that extend the local hit, as tokens; side-effect free apart from
+        remembering the plan for ``update_state_after_alloc``.
+
+        A streaming restore's request whose pages are still being fetched (the offer's
+        ``awaiting``, until a later part names it ``ready``) waits the same way, so it resumes from
+        its restored pages as soon as they are in, not from a recompute, while requests whose pages
+        arrived already run. So does any request whose next pages the rest of the restore has yet
+        to bring (the offer's ``coming``: a returning conversation whose history is still
+        streaming), for at most the offer's ``want_s``: it asks for them (the next part's reply
+        names them ``wanted``, and the agent brings them next) and goes on with what is there once
+        they are in or its wait ran out.
+
+        While a hold is set (``hold``) new requests wait (``None``: the scheduler skips them this
+        step) until ``n`` have arrived, then start together: resubmitted requests batch as they did
+        before the checkpoint, and a test's requests are all in flight at once however their
+        client threads are scheduled.
+        """
+        with self.lock:
+            if self.hold_count:
+                self.held.add(request.request_id)
+                if len(self.held) < self.hold_count and time.monotonic() < self.hold_until:
+                    return None, False
+                self.hold_count, self.held = 0, set()
+            if self.offers.awaiting and self.offers.holds(self.ledger_id(request.request_id)):
+                return None, False
+            offer = self.offers.keys
+            if not offer:
+                return 0, False
+            bs = self.block_size
+            n = request.num_tokens
+            hashes = request.block_hashes
+            start = num_computed_tokens
+
+            def run(first: int, have: Container[bytes]) -> list[bytes]:
+                """The keys of the full blocks from ``first`` on, while each is in ``have``."""
+                out = []
+                for h in hashes[first : n // bs]:
+                    if bytes(h) not in have:
+                        break
+                    out.append(bytes(h))
+                return out
+
+            keys = run(start // bs, offer)
+            i = start // bs + len(keys)
+            end = i * bs if keys else start
+            coming = self.offers.coming
+            if coming:
+                # its next pages are in the checkpoint but not here yet (the rest still streams):
+                # ask for them and wait, briefly, rather than recompute them
+                want = run(i, coming)
+                if want and self.offers.want(request.request_id, want):
+                    return None, False
+            if end < n and i == end // bs and i <= len(hashes):
+                tokens = request.all_token_ids
+                parent = bytes(hashes[i - 1]) if i else b""
+                lora = getattr(request.lora_request, "lora_name", None)
+                for length in range(min(bs - 1, n - end), 0, -1):
+                    k = tail_key(parent, tokens[end : end + length], request.cache_salt, lora)
+                    if k in offer:
+                        keys.append(k)
+                        end += length
+                        break
+            end = min(end, n - 1)  # a synchronous hit must leave a token to compute
+            ext = end - start
+            if ext <= 0:
+                self.plans.pop(request.request_id, None)
+                return 0, False
+            self.plans[request.request_id] = (start, keys)
+            return ext, False
+
+    def fail_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """The safe answer of a failed ``update_state_after_alloc``: the scheduler was promised
+        ``num_external_tokens`` of loaded KV, so every block of the request is reported as a load
+        error and vLLM recomputes them (kv_load_failure_policy=recompute) instead of reading
+        unloaded blocks."""
+        with self.lock:
+            self.plans.pop(request.request_id, None)
+            if num_external_tokens > 0:
+                self.fail_loads.extend(int(b) for b in blocks.get_block_ids()[0])
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        with self.lock:
+            if self.state_offer and not request.num_output_tokens:
+                self.apply_request_state(request)
+            plan = self.plans.pop(request.request_id, None)
+            if num_external_tokens <= 0 or plan is None:
+                return
+            start, keys = plan
+            bs = self.block_size
+            ids = blocks.get_block_ids()[0]
+            first = start // bs
+            last = (start + num_external_tokens - 1) // bs
+            for b in range(first, last + 1):
+                key = keys[b - first]
+                self.loads.append((ids[b], self.offers.keys[key], key.hex()))
+            rid = self.ledger_id(request.request_id)
+            self.restored[rid] = self.restored.get(rid, 0) + num_external_tokens
+
+    def ledger_id(self, request_id: str) -> str:
+        """The ledger's client id of an engine request (through the offered states' aliases)."""
+        cid = client_id(request_id)
+        return self.state_alias.get(cid, cid)
+
+    def apply_request_state(self, request: Request) -> None:
+        """A restored request's first schedule: hand over what it needs beyond its tokens (lock held).
+
+        The state goes to the request that continues the ledger entry: its id
+        (or the resubmission's alias) *and* its prompt, which must be the
+        entry's prompt + outputs (``match``). Another request under the same
+        id — a client's retry, someone reusing the id — gets nothing, and the
+        state stays for the resubmission. Each part fails alone (logged, in
+        ``stats``): a state that cannot be applied leaves that request as a
+        plain resubmission, which the restore reports as a cold replay.
+        """
+        cid = self.ledger_id(request.request_id)
+        st = self.state_offer.get(cid)
+        if not st:
+            return
+        want = st.get("match")
+        if want is not None and token_digest(list(request.prompt_token_ids or ())) != want:
+            self.states_refused[cid] = f"{request.request_id}: its tokens are not the checkpointed request's"
+            log.warning("gpuckpt: request %s has the id of a restored request but not its tokens", request.request_id)
+            return
+        del self.state_offer[cid]
+        applied = self.states_applied.setdefault(cid, [])
+        g = st.get("generator_state")
+        if g:
+            self.gen_loads.append((request.request_id, str(g)))
+            applied.append("generator_state")
+        prior = st.get("prior_outputs")
+        if prior:
+            self.prior_loads.append((request.request_id, [int(t) for t in prior]))
+            applied.append("prior_outputs")
+        grammar_outputs = st.get("grammar_outputs")
+        if grammar_outputs:
+            so = getattr(request, "structured_output_request", None)
+            grammar = getattr(so, "grammar", None)
+            toks = [int(t) for t in grammar_outputs]
+            try:
+                if grammar is None or isinstance(grammar, Exception):
+                    raise ValueError("the request has no compiled grammar")
+                if len(grammar.validate_tokens(toks)) != len(toks):
+                    raise ValueError("the grammar rejects the earlier outputs")
+                if not grammar.accept_tokens(request.request_id, toks):
+                    raise ValueError("the grammar did not accept the earlier outputs")
+                applied.append("grammar")
+            except Exception as exc:
+                log.error("gpuckpt: grammar of %s not advanced: %s", cid, exc)
+                applied.append(f"grammar failed: {exc}")
+
+    def empty_meta(self) -> GpuckptMeta:
+        """The safe answer of a failed ``build_connector_meta``: planned loads become load errors."""
+        with self.lock:
+            failed = [b for b, _, _ in self.loads] + self.fail_loads
+            self.loads, self.fail_loads = [], []
+            return GpuckptMeta(fail_loads=failed, ranks_known=len(self.reports) >= self.tp)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GpuckptMeta:
+        if self.step_delay and scheduler_output.total_num_scheduled_tokens:
+            time.sleep(self.step_delay)
+        with self.lock:
+            self.step += 1
+            meta = GpuckptMeta(
+                loads=self.loads,
+                tails=self.tail_copies,
+                generators=self.gen_loads,
+                priors=self.prior_loads,
+                fail_loads=self.fail_loads,
+                close_files=self.retire_files(),
+                ranks_known=len(self.reports) >= self.tp,
+            )
+            self.loads, self.tail_copies, self.gen_loads, self.prior_loads, self.fail_loads = [], [], [], [], []
+            for key_hex, _, rid in meta.tails:
+                self.tails_inflight.add(rid)
+                self.tail_keys[bytes.fromhex(key_hex)] = None
+                while len(self.tail_keys) > self.tail_cap:
+                    meta.tail_drop.append(self.tail_keys.popitem(last=False)[0].hex())
+            if self.wait_calls:
+                met = [w for w in self.wait_calls if self.met(w.when)]
+                if met:
+                    self.wait_calls = [w for w in self.wait_calls if w not in met]
+                    self.answer(met, {"ok": True, **self.progress()})
+            idle = not scheduler_output.total_num_scheduled_tokens
+            st = self.stream
+            if st is not None and st.prefix_only and any(not w.prefix_only for w in self.capture_calls):
+                self.end_stream(st, "superseded by a checkpoint's capture")  # a pre-copy makes way
+                st = None
+            if st is not None and st.idle(time.monotonic()):
+                self.end_stream(st, f"abandoned: no word from the agent for {st.idle_timeout:.0f} s")
+                st = None
+            if st is not None:
+                if st.can_issue() and st.issued:
+                    meta.capture = self.next_chunk(st)
+                elif idle:
+                    time.sleep(0.002)  # an idle engine stepping only to collect chunk reports: do not spin
+            else:
+                ready = [w for w in self.capture_calls if self.met(w.when)]
+                if ready:
+                    self.capture_calls = [w for w in self.capture_calls if w not in ready]
+                    try:
+                        meta.capture = self.plan_capture(scheduler_output, ready)
+                    except Exception as exc:  # the capture fails; the step goes on
+                        log.exception("gpuckpt: planning a capture failed")
+                        self.answer(ready, {"ok": False, "error": f"planning the capture failed: {exc}"})
+                elif idle and self.wants_reports():
+                    time.sleep(0.002)  # stepping only for the ranks' reports: do not spin
+            idle_awaiting = bool(self.offers.awaiting or self.offers.wanted) and idle
+            if idle_awaiting:
+                self.offered_event.clear()
+        if idle_awaiting:
+            # only requests that wait for their pages: sleep until the next part, not spin a core
+            # the restore's fetch needs
+            self.offered_event.wait(0.005)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        sent = connector_output.finished_sending
+        if sent and self.tails_inflight:
+            with self.lock:
+                self.tails_inflight.difference_update(sent)
+        wm = connector_output.kv_connector_worker_meta
+        if not isinstance(wm, GpuckptWorkerMeta):
+            return
+        if wm.reports and len(self.reports) < self.tp:
+            with self.lock:
+                self.reports.update({int(r): rep for r, rep in wm.reports.items()})
+                self.cond.notify_all()
+        if not wm.done:
+            return
+        with self.lock:
+            for job, parts in wm.done.items():
+                seq, chunk = parse_job(job)
+                st = self.stream
+                if st is None or st.seq != seq:
+                    # an ended stream's late chunk (cancelled, failed, abandoned): nobody will read it
+                    for d in parts.values():
+                        if d.get("index"):
+                            staging.unlink_pair(d["index"])
+                    continue
+                for rank, rec in parts.items():
+                    if not st.report(chunk, int(rank), rec, self.tp):
+                        continue
+                    if st.error is not None:
+                        self.end_stream(st, st.error)
+                        break
+                    if chunk == 0:
+                        part = st.hand_out(0)
+                        assert part is not None
+                        if not st.waiters:  # every caller gave up waiting: nobody reads the stream
+                            self.end_stream(st, "the capture call timed out before its consistent point")
+                            break
+                        self.answer(st.waiters, self.first_reply(st, part))
+                        st.waiters = []
+                    self.cond.notify_all()
+
+    def shutdown(self) -> None:
+        self.close_server()

@@ -1,0 +1,396 @@
+"""The connector's worker half (one per rank): register the caches, load pages, copy captures.
+
+Built by :class:`.connector.GpuckptConnector` for the worker role; every hook
+is called under the facade's guard with this step's :class:`.GpuckptMeta`.
+It reports back only through :class:`.GpuckptWorkerMeta` (capture chunks
+done, and its own self-description until the scheduler half has every
+rank's).
+
+Loads: ``start_load_kv`` copies the step's planned loads out of the offered
+page files into the KV cache, before the forward (queued on the same stream
+on CUDA); a page that cannot be read is a load error, and vLLM recomputes
+that block. Captures: ``wait_for_save`` copies a chunk's pages after the
+forward (so blocks the step completes are whole) and before the next step
+can reuse any block; a thread writes them into a page file per rank and
+chunk, reported a step or more later.
+
+Seeded sampling: the model runner is found from ``register_kv_caches``'
+calling frames; a capture reads each seeded request's ``torch.Generator``
+state (before the step's sample, matching the ledger's outputs); on restore
+the state is ``set_state``'d in ``start_load_kv`` (after the runner seeded the
+new generator, before the first sample). Penalties: restored requests'
+earlier outputs are put in front of their outputs in the sampler's view.
+
+Tensor parallelism: rank ``r`` of ``tp`` holds heads
+``[r·H//tp, r·H//tp + max(1, H//tp))`` of the model's ``H`` (MLA's single
+latent head is replicated); it copies its own shard into its own page file
+(``<name>-r<rank>``) and loads its own heads out of TP-independent pages
+(:mod:`agent.engines.shards`), whatever TP size wrote them.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed import get_tensor_model_parallel_rank
+
+from agent.engines import staging
+from agent.engines.service import InjectedFault
+from agent.engines.shards import Heads, full_shape, local_heads
+from agent.engines.vllm.capture import CopyJob
+from agent.engines.vllm.commands import staging_of
+from agent.engines.vllm.copier import Gathered, PageCopier
+from agent.engines.vllm.describe import attention_backend_name
+from agent.engines.vllm.meta import GpuckptMeta, GpuckptWorkerMeta
+from ckpt.errors import EngineError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("gpuckpt.vllm")
+
+
+class WorkerHalf:
+    """See the module docstring. Hooks run on the worker's thread; a capture's page file is
+    written by a thread of its own, whose result is kept under ``_done_lock``."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.staging_dir, self.trust = staging_of(extra)
+        self.faults: set[str] = set(extra.get("inject_faults") or ())
+        self.failures: dict[str, int] = {}
+        self.tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.runner: Any = None
+        self.rank = 0
+        self.heads: Heads | None = None
+        self.head_axis = 0
+        self.disabled: str | None = None
+        self.priors: dict[str, list[int]] = {}
+        self.tail_pages: OrderedDict[bytes, bytes] = OrderedDict()
+        self.sent: set[str] = set()
+        self.kv: list[tuple[str, torch.Tensor]] = []
+        self.copier: PageCopier | None = None
+        self.files: dict[str, staging.PageFile] = {}
+        self.load_errors: set[int] = set()
+        self.report: dict[str, Any] | None = None  # sent until the scheduler half has every rank's
+        self._done: dict[str, dict[int, dict[str, Any]]] = {}
+        self._done_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ registration
+
+    def disable(self, why: str) -> None:
+        """The safe answer of a failed ``register_kv_caches``: this rank copies nothing, says so."""
+        self.disabled = why
+        with contextlib.suppress(Exception):  # no distributed state: a single in-process worker
+            self.rank = int(get_tensor_model_parallel_rank())
+        self.report = {"rank": self.rank, "disabled": why}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self.kv_cache_config.num_blocks
+        # Block-first views of every layer: the CPU backend and vLLM 0.33's
+        # logical [blocks, head slots, tokens, content] views put the block id
+        # first; older FlashAttention-style tensors put K/V first
+        # ([2, num_blocks, tokens, heads, head_size]), which is two block-first views.
+        self.kv = []
+        kv_first = False
+        seen: set[int] = set()
+        for name, t in sorted(kv_caches.items()):
+            if t.data_ptr() in seen:  # KV-sharing layers alias their target's tensor
+                continue
+            seen.add(t.data_ptr())
+            if t.shape[0] == num_blocks:
+                self.kv.append((name, t))
+            elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+                self.kv += [(f"{name}#k", t[0]), (f"{name}#v", t[1])]
+                kv_first = True
+            else:
+                raise NotImplementedError(
+                    f"gpuckpt: layer {name} KV tensor has shape {tuple(t.shape)}; "
+                    f"expected the block id ({num_blocks} blocks) first, or K/V first and then the block id"
+                )
+        self.head_axis = 1 if kv_first else 0
+        self.copier = PageCopier([t for _, t in self.kv])
+        try:
+            self.rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # no distributed state: a single in-process worker
+            self.rank = 0
+        mc = self.vllm_config.model_config
+        total = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+        self.heads = local_heads(self.rank, self.tp, total, int(self.kv[0][1].shape[1 + self.head_axis]))
+        # The model runner (for seeded requests' generators and the sampler's
+        # view of outputs) called us from initialize_kv_cache.
+        f = sys._getframe(1)
+        while f is not None and self.runner is None:
+            obj = f.f_locals.get("self")
+            if obj is not None and isinstance(getattr(obj, "requests", None), dict) and hasattr(obj, "input_batch"):
+                self.runner = obj
+            f = f.f_back  # type: ignore[assignment]
+        self.report = self._describe_rank()
+        log.info(
+            "gpuckpt: rank %d/%d, %d layers, page shape %s %s, heads %s; runner %s",
+            self.rank,
+            self.tp,
+            len(self.kv),
+            tuple(self.kv[0][1].shape[1:]),
+            self.kv[0][1].dtype,
+            self.heads,
+            type(self.runner).__name__,
+        )
+
+    def _describe_rank(self) -> dict[str, Any]:
+        """This rank's self-description for the scheduler half's ``describe``."""
+        assert self.heads is not None
+        t = self.kv[0][1]
+        return {
+            "rank": self.rank,
+            "device": str(t.device),
+            "backend": attention_backend_name(self.vllm_config),
+            # the tokens axis of a layer's page: the kernel's block
+            "kernel_block_size": int(t.shape[1 + (1 - self.head_axis)]) if t.dim() >= 3 else None,
+            "kv_heads": [self.heads.start, self.heads.count],
+            "page_shape": list(self.page_shape()),
+            "dtype": self.dtype(),
+            "runner": type(self.runner).__name__,
+        }
+
+    def generator(self, rid: str) -> torch.Generator | None:
+        st = self.runner.requests.get(rid) if self.runner is not None else None
+        return getattr(st, "generator", None)
+
+    def page_shape(self) -> tuple[int, ...]:
+        """This rank's page: ``[layers, *layer page]`` with its own heads."""
+        return (len(self.kv), *self.kv[0][1].shape[1:])
+
+    def stored_shape(self) -> tuple[int, ...]:
+        """A stored page: every KV head of the model (see :mod:`.shards`)."""
+        assert self.heads is not None
+        return full_shape(self.page_shape(), self.head_axis, self.heads.total)
+
+    def dtype(self) -> str:
+        return str(self.kv[0][1].dtype).removeprefix("torch.")
+
+    # ------------------------------------------------------------------ before the forward
+
+    def fail_loads(self, meta: Any) -> None:
+        """The safe answer of a failed ``start_load_kv``: every planned load is a load error."""
+        if isinstance(meta, GpuckptMeta):
+            self.load_errors.update(b for b, _, _ in meta.loads)
+            self.load_errors.update(meta.fail_loads)
+
+    def start_load_kv(self, meta: Any) -> None:
+        if not isinstance(meta, GpuckptMeta):
+            return
+        if meta.ranks_known:
+            self.report = None
+        self.load_errors.update(meta.fail_loads)
+        for rid, state in meta.generators:
+            try:
+                g = self.generator(rid)
+                if g is None:
+                    raise LookupError("no sampler generator (not the V1 model runner?)")
+                g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+            except Exception as exc:
+                log.error("gpuckpt: the seeded state of %s is not restored: %s", rid, exc)
+        for path in meta.close_files:
+            pf = self.files.pop(path, None)
+            if pf is not None:
+                pf.close()  # its pages (users' KV) leave host memory with the last mapping
+        for rid, prior in meta.priors:
+            self.priors[rid] = prior
+        if self.priors:
+            self.refresh_priors()
+        if not meta.loads:
+            return
+        if self.disabled:
+            raise EngineError(self.disabled)
+        shape = self.stored_shape()
+        ids: list[int] = []
+        pages: list[memoryview] = []
+        for block_id, index_path, key_hex in meta.loads:
+            try:
+                pf = self.files.get(index_path)
+                if pf is None:
+                    pf = self.files[index_path] = staging.PageFile(index_path, trust=self.trust)
+                if tuple(pf.index.page_shape) != shape or pf.index.dtype != self.dtype():
+                    raise ValueError(f"page {pf.index.page_shape} {pf.index.dtype} != {shape} {self.dtype()}")
+                pages.append(pf.page(bytes.fromhex(key_hex)))
+                ids.append(block_id)
+            except Exception:
+                log.exception("gpuckpt: loading block %d failed", block_id)
+                self.load_errors.add(block_id)
+        try:
+            assert self.copier is not None
+            assert self.heads is not None
+            # queued before this step's forward (same stream on CUDA); each rank takes its heads
+            self.copier.scatter(ids, pages, self.heads.as_tuple(), self.head_axis)
+        except Exception:
+            log.exception("gpuckpt: loading %d blocks failed", len(ids))
+            self.load_errors.update(ids)
+
+    def refresh_priors(self) -> None:
+        """Put restored requests' earlier outputs in front of their outputs, in the sampler's view.
+
+        Frequency / presence penalties and bad words read
+        ``input_batch.req_output_token_ids`` (the list vLLM hands the sampler);
+        a resubmitted request has its earlier outputs in its prompt instead.
+        The entry is replaced by ``prior + outputs`` each step (after the
+        runner updated the batch, before it samples); the request's own list,
+        which the runner appends to and the min-tokens processor counts, is
+        left alone. V1 model runner only (the ledger marks other runners'
+        penalised requests inexact).
+        """
+        runner = self.runner
+        batch = getattr(runner, "input_batch", None)
+        if batch is None:
+            self.priors.clear()
+            return
+        for rid, prior in list(self.priors.items()):
+            st = runner.requests.get(rid)
+            if st is None:
+                del self.priors[rid]  # finished or aborted
+                continue
+            idx = batch.req_id_to_index.get(rid)
+            if idx is not None:
+                batch.req_output_token_ids[idx] = prior + list(st.output_token_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self.load_errors = self.load_errors, set()
+        return errs
+
+    # ------------------------------------------------------------------ after the forward
+
+    def fail_capture(self, meta: Any) -> None:
+        """The safe answer of a failed ``wait_for_save``: tails count as sent (their blocks must be
+        freed all the same) and the chunk is reported failed."""
+        if isinstance(meta, GpuckptMeta):
+            self.sent.update(rid for _, _, rid in meta.tails)
+            if meta.capture is not None:
+                self.finish_capture(meta.capture, {"error": "the worker's copy failed (see its log)"})
+
+    def wait_for_save(self, meta: Any) -> None:
+        if not isinstance(meta, GpuckptMeta):
+            return
+        for key_hex, block_id, rid in meta.tails:  # before the capture, which includes them
+            try:
+                assert self.copier is not None
+                self.tail_pages[bytes.fromhex(key_hex)] = self.copier.page(block_id)
+            except Exception:
+                log.exception("gpuckpt: copying the tail of %s failed", rid)
+            self.sent.add(rid)
+        for key_hex in meta.tail_drop:
+            self.tail_pages.pop(bytes.fromhex(key_hex), None)
+        if meta.capture is None:
+            return
+        cap = meta.capture
+        if self.disabled:
+            why = f"the connector is disabled on rank {self.rank}: {self.disabled}"
+            self.finish_capture(cap, {"error": why})
+            return
+        t0 = time.monotonic()
+        try:
+            if "gather" in self.faults:
+                raise InjectedFault("injected fault in gather")
+            assert self.copier is not None
+            # Only the copy holds up the engine (on CUDA, only its GPU stream);
+            # the page file is written by a thread, reported a step or more later.
+            gathered = self.copier.gather([b for _, b in cap.pages])
+            tails = [(k, self.tail_pages[bytes.fromhex(k)]) for k in cap.tails if bytes.fromhex(k) in self.tail_pages]
+            # Seeded requests' sampler state, before this step's sample (matches the ledger's outputs).
+            gens = {}
+            if self.runner is not None and cap.generators:
+                for rid, st in list(self.runner.requests.items()):
+                    g = getattr(st, "generator", None)
+                    if g is not None:
+                        gens[rid] = base64.b64encode(g.get_state().numpy().tobytes()).decode()
+        except Exception as exc:
+            log.exception("gpuckpt: capture %s failed", cap.job)
+            self.finish_capture(cap, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        pause = time.monotonic() - t0
+        threading.Thread(
+            target=self._write_capture,
+            args=(cap, gathered, tails, gens, pause),
+            name=f"gpuckpt-capture-{cap.job}",
+            daemon=True,
+        ).start()
+
+    def _write_capture(
+        self,
+        cap: CopyJob,
+        gathered: Gathered,
+        tails: list[tuple[str, bytes]],
+        gens: dict[str, str],
+        pause: float,
+    ) -> None:
+        t0 = time.monotonic()
+        w: staging.PageWriter | None = None
+        try:
+            if "write_capture" in self.faults:
+                raise InjectedFault("injected fault in write_capture")
+            assert self.heads is not None
+            w = staging.PageWriter(
+                cap.directory,
+                cap.file(self.rank),
+                dtype=self.dtype(),
+                page_shape=self.page_shape(),
+                layers=[n for n, _ in self.kv],
+                trust=self.trust,
+            )
+            for (key_hex, _), page in zip(cap.pages, gathered.pages(), strict=True):
+                w.write(bytes.fromhex(key_hex), page)
+            for key_hex, tail in tails:
+                w.write(bytes.fromhex(key_hex), tail)
+            idx = w.commit()
+            gathered.release()
+            res: dict[str, Any] = {
+                "rank": self.rank,
+                "device": str(self.kv[0][1].device),
+                "kv_heads": [self.heads.start, self.heads.count],
+                "total_kv_heads": self.heads.total,
+                "head_axis": self.head_axis,
+                "index": str(w.index_path),
+                "copy_s": pause,
+                "write_s": time.monotonic() - t0,
+                "bytes": idx.page_bytes * len(idx.keys),
+                "pages_written": len(idx.keys),
+                "generators": gens,
+            }
+        except Exception as exc:
+            gathered.release()
+            if w is not None:
+                w.abort()
+            log.exception("gpuckpt: writing capture %s failed", cap.job)
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+        self.finish_capture(cap, res)
+
+    def finish_capture(self, cap: CopyJob, result: dict[str, Any]) -> None:
+        with self._done_lock:
+            self._done.setdefault(cap.job, {})[self.rank] = result
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """The finished requests whose tails were copied (their blocks may be freed now)."""
+        sent, self.sent = self.sent, set()
+        return (sent or None), None
+
+    def build_connector_worker_meta(self) -> GpuckptWorkerMeta | None:
+        with self._done_lock:
+            done, self._done = self._done, {}
+        reports = {self.rank: self.report} if self.report is not None else {}
+        if not done and not reports:
+            return None
+        return GpuckptWorkerMeta(done, reports)
+
+    def shutdown(self) -> None:
+        for pf in self.files.values():
+            pf.close()
+        self.files.clear()
