@@ -38,14 +38,16 @@ from ckpt.errors import (
     WorkerUnreachable,
 )
 from ckpt.fingerprint import host_facts, model_digest, tokenizer_digest
+from ckpt.gc import GcReport
 from ckpt.keys import Keyring, KeySource, generate_key
 from ckpt.load import BlockFailure
-from ckpt.manifest import Ledger, Manifest
+from ckpt.manifest import CheckpointInfo, Ledger, Manifest
 from ckpt.pins import ABSENT, HostFacts, Pins, WorkerFacts
-from ckpt.repository import CheckpointInfo, GcReport, Problem, Repository, VerifyReport
+from ckpt.repository import Repository
 from ckpt.save import SaveOptions, SaveProgress
 from ckpt.store import LocalStore, MemoryStore, Store
 from ckpt.url import default_repo_url, open_store
+from ckpt.verify import Problem, VerifyReport
 
 __version__ = "0.1.0"
 

@@ -16,18 +16,13 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ckpt import checksum as cks
+from ckpt.blobstore import BlobStore
 from ckpt.blocks import DTYPES, LoadedBlock
-from ckpt.codecs import CodecContext, Pipeline
+from ckpt.codecs import Pipeline
 from ckpt.errors import GpuckptError, IntegrityError, ObjectNotFound
-from ckpt.keys import Keyring
 from ckpt.manifest import BlockRef, Manifest
 from ckpt.pack import pack_name
-
-if TYPE_CHECKING:
-    from ckpt.repository import Repository
 
 MiB = 1 << 20
 #: neighbouring blobs closer than this are fetched in one ranged read
@@ -83,43 +78,6 @@ def plan_ranges(refs: Iterable[BlockRef], order: dict[str, int] | None = None) -
     return out
 
 
-def decode_blob(
-    keyring: Keyring | None,
-    pipeline: Pipeline,
-    stored: memoryview,
-    *,
-    obj: str,
-    blob: str,
-    checksum: str,
-    raw_checksum: str,
-    raw_length: int,
-) -> bytearray:
-    """Verify and decode one stored blob; the one place every reader does it.
-
-    Encrypted blobs: the AEAD tag, checked by the first decode stage before
-    anything else runs, authenticates the stored bytes and binds them to the
-    blob id, so a modified or moved blob fails "authentication" (FORMAT.md
-    §10) rather than a checksum; the stored checksum is still checked after.
-    Plain blobs: the stored checksum is checked before decoding. In both, the
-    decoded length and checksum are checked last. Returns writable bytes.
-    """
-    aead_first = pipeline.encrypted
-    if not aead_first:
-        cks.verify(stored, checksum, obj=obj, blob=blob, what="stored bytes")
-    ctx = CodecContext(keyring, blob.encode(), obj, blob)
-    raw = pipeline.decode(stored, ctx, raw_length)
-    if aead_first:
-        cks.verify(stored, checksum, obj=obj, blob=blob, what="stored bytes")
-    mv = memoryview(raw).cast("B")
-    if mv.nbytes != raw_length:
-        raise IntegrityError(
-            f"blob {blob} in {obj} decoded to {mv.nbytes} bytes, expected {raw_length}", obj=obj, blob=blob
-        )
-    cks.verify(mv, raw_checksum, obj=obj, blob=blob, what="decoded bytes")
-    # Callers view the bytes as tensors, which need a writable buffer.
-    return raw if isinstance(raw, bytearray) else bytearray(mv)
-
-
 def expected_raw_length(ref: BlockRef, obj: str) -> int:
     """The bytes ``ref`` must decode to: its dtype × shape, checked against ``raw_length`` and the cap
     before anything is allocated (a stored length is never trusted on its own)."""
@@ -144,10 +102,9 @@ def expected_raw_length(ref: BlockRef, obj: str) -> int:
     return n
 
 
-def _decode_ref(repo: Repository, pipelines: list[Pipeline], ref: BlockRef, stored: memoryview) -> LoadedBlock:
+def _decode_ref(blobs: BlobStore, pipelines: list[Pipeline], ref: BlockRef, stored: memoryview) -> LoadedBlock:
     expected_raw_length(ref, pack_name(ref.pack))
-    data = decode_blob(
-        repo.keyring,
+    data = blobs.decode(
         pipelines[ref.codec],
         stored,
         obj=pack_name(ref.pack),
@@ -169,7 +126,7 @@ def _as_integrity(exc: Exception, obj: str, ref: BlockRef) -> GpuckptError:
 
 
 def load_blocks(
-    repo: Repository,
+    blobs: BlobStore,
     manifest: Manifest,
     *,
     keys: Iterable[bytes] | None = None,
@@ -200,7 +157,7 @@ def load_blocks(
             return []
         obj = pack_name(rg.pack)
         try:
-            data = memoryview(repo.store.get(obj, rg.start, rg.end - rg.start))
+            data = memoryview(blobs.store.get(obj, rg.start, rg.end - rg.start))
         except ObjectNotFound as exc:
             return relocated(rg, exc)
         except GpuckptError as exc:
@@ -208,7 +165,7 @@ def load_blocks(
         out: list[LoadedBlock | BlockFailure] = []
         for r in rg.refs:
             try:
-                out.append(_decode_ref(repo, pipelines, r, data[r.offset - rg.start : r.offset - rg.start + r.length]))
+                out.append(_decode_ref(blobs, pipelines, r, data[r.offset - rg.start : r.offset - rg.start + r.length]))
             except Exception as exc:  # anything while decoding one block is that block's failure
                 out.append(BlockFailure(bytes.fromhex(r.key), _as_integrity(exc, obj, r)))
         return out
@@ -222,7 +179,7 @@ def load_blocks(
         ciphertexts): only a copy whose length and stored checksum are the
         manifest's is this reference's copy, and each candidate is tried."""
         obj = pack_name(rg.pack)
-        moved = repo.relocate(rg.pack, [r.blob for r in rg.refs])
+        moved = blobs.relocate(rg.pack, [r.blob for r in rg.refs])
         out: list[LoadedBlock | BlockFailure] = []
         for r in rg.refs:
             # this reference's copy first (its stored checksum), then any other of its length
@@ -234,8 +191,8 @@ def load_blocks(
                 failure.__cause__ = exc
             for e in candidates:
                 try:
-                    stored = memoryview(repo.store.get(pack_name(e.pack), e.offset, e.length))
-                    out.append(_decode_ref(repo, pipelines, r, stored))
+                    stored = memoryview(blobs.store.get(pack_name(e.pack), e.offset, e.length))
+                    out.append(_decode_ref(blobs, pipelines, r, stored))
                     failure = None
                     break
                 except Exception as other:  # try the next copy

@@ -6,6 +6,9 @@ needs without reading any index: the pins, the KV layout, every block with
 its pack, offset, length, checksums and codec pipeline, the engine's request
 ledger (an opaque, engine-versioned JSON document), the canary, sizes and
 timings. See FORMAT.md for the schema and the rules a reader applies.
+
+Checkpoints are listed from manifest names alone (:func:`list_checkpoints`), ordered by the
+store's clock (:func:`by_store_time`) and read one by one (:func:`read_manifest`).
 """
 
 from __future__ import annotations
@@ -13,18 +16,21 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import re
 import secrets
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckpt import document
-from ckpt.errors import ConfigError, ManifestError
+from ckpt.errors import CheckpointNotFound, ConfigError, ManifestError, ObjectNotFound
 from ckpt.keys import Keyring
 from ckpt.pins import Pins
+from ckpt.store.base import Store
 
 KIND = "gpuckpt-manifest"
 #: 2: encrypted bodies are sealed per document (FORMAT.md §10.1); 1 is still read
@@ -33,6 +39,10 @@ SUPPORTED = (1, 2)
 PREFIX = "manifests/"
 #: Readers refuse manifests larger than this before parsing them (override per call).
 DEFAULT_MAX_BYTES = 256 << 20
+#: ``latest`` and ``forget`` ignore checkpoints whose id is later than the
+#: store's own time of writing by more than this (FORMAT.md §6)
+MAX_CLOCK_SKEW = timedelta(hours=1)
+log = logging.getLogger("gpuckpt.repository")
 
 _WORKER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ID_RE = re.compile(r"^\d{8}T\d{9}Z-[0-9a-f]{8}$")
@@ -204,3 +214,79 @@ class Manifest(_Strict):
             if b.codec >= len(m.codecs):
                 raise ManifestError(f"{name}: block {b.key} names codec {b.codec}, there are {len(m.codecs)}")
         return m
+
+
+# -- checkpoints on the store (FORMAT.md §6, §7) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What listing knows of a checkpoint from its object name alone."""
+
+    id: str
+    worker_id: str
+    name: str
+    created: datetime  # the writer's clock (from the id)
+    size: int  # manifest bytes
+    stored: float = 0.0  # the store's clock: when the manifest object was written
+
+    def future_dated(self, skew: timedelta) -> bool:
+        """Whether the id claims a time later than the store recorded by more than ``skew``:
+        a writer whose clock runs ahead, or an object someone planted."""
+        return self.stored > 0 and self.created.timestamp() - self.stored > skew.total_seconds()
+
+
+def _ckpt_time(cid: str) -> datetime:
+    return datetime.strptime(cid[:15], "%Y%m%dT%H%M%S").replace(microsecond=int(cid[15:18]) * 1000, tzinfo=UTC)
+
+
+def list_checkpoints(store: Store, worker_id: str | None = None) -> list[CheckpointInfo]:
+    """Checkpoints (oldest first) from manifest names alone: no manifest is read."""
+    prefix = PREFIX + (check_worker_id(worker_id) + "/" if worker_id else "")
+    out = []
+    for o in store.list(prefix):
+        parts = o.name[len(PREFIX) :].split("/")
+        if len(parts) != 2 or not is_checkpoint_id(parts[1]):
+            continue  # not ours: ignored, and left alone
+        out.append(CheckpointInfo(parts[1], parts[0], o.name, _ckpt_time(parts[1]), o.size, o.mtime))
+    out.sort(key=lambda c: (c.id, c.worker_id))
+    return out
+
+
+def by_store_time(store: Store, worker_id: str | None, skew: timedelta) -> list[CheckpointInfo]:
+    """Checkpoints oldest first by the store's clock (then id), without future-dated ones.
+
+    A writer's clock can step back or run ahead; the store's time of
+    writing orders checkpoints as they were committed.
+    """
+    out = []
+    for c in list_checkpoints(store, worker_id):
+        if c.future_dated(skew):
+            log.warning(
+                "ignoring a future-dated checkpoint",
+                extra={"object": c.name, "claimed": c.created.isoformat(), "stored": c.stored},
+            )
+            continue
+        out.append(c)
+    out.sort(key=lambda c: (c.stored, c.id))
+    return out
+
+
+def read_manifest(
+    store: Store, keyring: Keyring | None, info: CheckpointInfo, max_bytes: int = DEFAULT_MAX_BYTES
+) -> Manifest:
+    """Read and check a listed checkpoint's manifest. Oversized, malformed, tampered or
+    unknown-version manifests raise before any block is read."""
+    if not is_worker_id(info.worker_id):
+        # listed (and shown, escaped) for what it is, but never read: a store may refuse the name
+        # (InvalidName), and one planted `manifests/bad name/<id>` must not stop `latest`,
+        # retention or gc, which skip an unreadable manifest and go on
+        raise ManifestError(f"{info.name}: not a manifest name gpuckpt writes (a planted object?)")
+    try:
+        st = store.stat(info.name)
+        if st.size > max_bytes:
+            raise ManifestError(f"{info.name}: {st.size} bytes exceeds the manifest size limit {max_bytes}")
+        data = store.get(info.name)
+    except ObjectNotFound:
+        raise CheckpointNotFound(f"checkpoint {info.id} vanished (removed by forget?)") from None
+    return Manifest.decode(info.name, data, keyring, max_bytes)

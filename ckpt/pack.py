@@ -39,12 +39,13 @@ _TRAILER_SEAL = {1: SEAL_V1, 2: SEAL_V2}
 HEADER = MAGIC + struct.pack("<II", VERSION, 0)
 HEADER_SIZE = len(HEADER)
 FOOTER_SIZE = 32
+PREFIX = "packs/"
 
 Buffer = bytes | bytearray | memoryview
 
 
 def pack_name(pack_id: str) -> str:
-    return f"packs/{pack_id[:2]}/{pack_id}"
+    return f"{PREFIX}{pack_id[:2]}/{pack_id}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,12 +32,14 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from ckpt import checksum as cks
+from ckpt.blobstore import BlobStore
 from ckpt.blocks import DTYPES, Block, Existing, Namespace
 from ckpt.codecs import AesGcm, BytePlane, Codec, CodecContext, Pipeline, Zstd
-from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, ObjectNotFound, OperationAborted
+from ckpt.commit import CARRY_ROUNDS, carry_forward
+from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, OperationAborted
 from ckpt.index import PackRecord, encode_index, index_name
 from ckpt.manifest import DEFAULT_MAX_BYTES as MANIFEST_MAX_BYTES
 from ckpt.manifest import (
@@ -52,9 +54,6 @@ from ckpt.manifest import (
 )
 from ckpt.pack import BlobEntry, PackWriter, pack_name
 from ckpt.pins import Pins
-
-if TYPE_CHECKING:
-    from ckpt.repository import Repository
 
 log = logging.getLogger("gpuckpt.save")
 MiB = 1 << 20
@@ -163,18 +162,18 @@ def _canon(pipeline: Pipeline) -> str:
 class _Saver:
     def __init__(
         self,
-        repo: Repository,
+        blobs: BlobStore,
         opts: SaveOptions,
         progress: Callable[[SaveProgress], None] | None,
         deadline: float | None,
         cancel: threading.Event | None = None,
     ) -> None:
-        self.repo = repo
+        self.blobs = blobs
         self.opts = opts
         self.progress_cb = progress
         self.deadline = deadline
         self.cancel = cancel
-        self.key_id = repo.keyring.key_id if repo.keyring else None
+        self.key_id = blobs.keyring.key_id if blobs.keyring else None
         self.abort = threading.Event()
         self.error: BaseException | None = None
         self.lock = threading.Lock()
@@ -255,8 +254,8 @@ class _Saver:
         try:
             if self.abort.is_set():
                 return
-            content = self.repo.content_id(block.data)
-            if content is not None and (same := self.repo.index.lookup_content(content, n)) is not None:
+            content = self.blobs.content_id(block.data)
+            if content is not None and (same := self.blobs.index.lookup_content(content, n)) is not None:
                 # these exact bytes are stored already (another trust domain's key): referenced, not
                 # stored again; the content id is a keyed hash the save computed itself
                 with self.lock:
@@ -267,7 +266,7 @@ class _Saver:
                 return
             full, plain, full_c, plain_c = self._pipelines_for(block.dtype)
             raw_sum = cks.checksum(block.data)
-            ctx = CodecContext(self.repo.keyring, blob_id.encode(), "pack", blob_id)
+            ctx = CodecContext(self.blobs.keyring, blob_id.encode(), "pack", blob_id)
             stored = full.encode(block.data, ctx)
             codec = full_c
             if full_c != plain_c and memoryview(stored).nbytes >= n + (28 if self.key_id else 0):
@@ -329,9 +328,9 @@ class _Saver:
         try:
             if self.abort.is_set():
                 return
-            data = pw.finish(self.repo.keyring)
+            data = pw.finish(self.blobs.keyring)
             size = len(data)
-            self.repo.store.put(pw.name, data)
+            self.blobs.store.put(pw.name, data)
             try:
                 data.release()
                 reusable = True
@@ -355,7 +354,7 @@ class _Saver:
     ) -> tuple[list[tuple[Existing, str]], dict[str, BlobEntry]]:
         """Stream blocks through the pipeline; returns (block, blob id) in input
         order and the entry for every blob referenced."""
-        index = self.repo.index
+        index = self.blobs.index
         # (key, dtype, shape) of each block in input order: not the block, whose buffer (a view of
         # the caller's staging) must be let go as soon as it is encoded or found stored
         refs: list[tuple[Existing, str]] = []
@@ -368,7 +367,7 @@ class _Saver:
                 self._check()
                 if not isinstance(cast(object, block), Block | Existing):
                     raise ConfigError(f"save takes ckpt.Block or ckpt.Existing objects, got {type(block).__name__}")
-                blob_id = self.repo.blob_id(ns, block.key)
+                blob_id = self.blobs.blob_id(ns, block.key)
                 if isinstance(block, Existing):
                     refs.append((block, blob_id))
                 else:
@@ -468,11 +467,11 @@ class _Saver:
         for p in self.written:
             # On failure gc reclaims it after the grace period.
             with contextlib.suppress(GpuckptError):
-                self.repo.store.delete(pack_name(p.id))
+                self.blobs.store.delete(pack_name(p.id))
 
 
 def _write_blobs(
-    repo: Repository,
+    blobs: BlobStore,
     blocks: Iterable[Block | Existing],
     namespace: Namespace,
     options: SaveOptions | None,
@@ -481,7 +480,7 @@ def _write_blobs(
     cancel: threading.Event | None,
 ) -> tuple[_Saver, list[tuple[Existing, str]], dict[str, BlobEntry], list[PackRecord]]:
     """Packs for every block not stored yet, then one index document naming them."""
-    saver = _Saver(repo, options or repo.default_save_options(), progress, deadline, cancel)
+    saver = _Saver(blobs, options or SaveOptions(pack_size=blobs.config.pack_size), progress, deadline, cancel)
     try:
         refs, entries = saver.run(blocks, namespace)
     except BaseException:
@@ -498,13 +497,13 @@ def _write_blobs(
     if written:
         saver.prog.phase = "index"
         name = index_name(secrets.token_hex(16))
-        repo.store.put(name, encode_index(name, written, repo.keyring))
-        repo.index.add(name, written)
+        blobs.store.put(name, encode_index(name, written, blobs.keyring))
+        blobs.index.add(name, written)
     return saver, refs, entries, written
 
 
 def store_blocks(
-    repo: Repository,
+    blobs: BlobStore,
     blocks: Iterable[Block | Existing],
     namespace: Namespace,
     *,
@@ -517,7 +516,7 @@ def store_blocks(
     document, no manifest. A later save finds them stored and references them; until one does,
     gc keeps their packs for its grace period and then reclaims them as any unreferenced pack."""
     t0 = time.monotonic()
-    saver, refs, _, written = _write_blobs(repo, blocks, namespace, options, progress, deadline, cancel)
+    saver, refs, _, written = _write_blobs(blobs, blocks, namespace, options, progress, deadline, cancel)
     return {
         "blocks": len(refs),
         "new_blocks": saver.prog.new_blocks,
@@ -528,90 +527,8 @@ def store_blocks(
     }
 
 
-def _dedup_packs(entries: dict[str, BlobEntry], written: Iterable[PackRecord]) -> set[str]:
-    return {e.pack for e in entries.values()} - {p.id for p in written}
-
-
-def _gone(repo: Repository, packs: Iterable[str]) -> list[str]:
-    """The packs of ``packs`` whose objects are not on the store (stat in parallel)."""
-    names = sorted(packs)
-    if not names:
-        return []
-
-    def gone(pid: str) -> bool:
-        try:
-            repo.store.stat(pack_name(pid))
-            return False
-        except ObjectNotFound:
-            return True
-
-    with ThreadPoolExecutor(min(8, len(names))) as ex:
-        return [pid for pid, g in zip(names, ex.map(gone, names), strict=True) if g]
-
-
-#: rounds of :func:`carry_forward` before a save gives up on a gc that keeps condemning its packs
-CARRY_ROUNDS = 3
-
-
-def carry_forward(
-    repo: Repository, entries: dict[str, BlobEntry], written: list[PackRecord]
-) -> tuple[dict[str, BlobEntry], list[PackRecord]]:
-    """Before a commit, on the store: every pack the save deduplicated against must still be there,
-    and one a gc condemned or superseded meanwhile (what gc publishes is always visible before it
-    deletes) has this save's blobs copied out of it, verbatim and verified, into a new pack — the
-    manifest then names the copy, never a pack a gc is about to delete. Needs no clock: however
-    long the save stalled, and whatever the store's clock did. A pack that is gone, or a blob that
-    does not verify, aborts the save (:class:`OperationAborted`, naming the pack). Returns the
-    entries to commit and the packs written here (indexed already)."""
-    deduped = _dedup_packs(entries, written)
-    if not deduped:
-        return entries, []
-    repo.index.refresh(repo.store, repo.keyring)
-    missing = _gone(repo, deduped)
-    if missing:
-        raise OperationAborted(
-            f"{len(missing)} pack(s) this save deduplicated against are gone from the store "
-            f"(first: {missing[0]}); not committing"
-        )
-    doomed = deduped & (repo.index.superseded | repo.index.condemned.keys())
-    if not doomed:
-        return entries, []
-    moved: dict[str, BlobEntry] = {}
-    out: list[PackRecord] = []
-    pw = PackWriter(secrets.token_hex(16), repo.config.pack_size + (1 << 20))
-    copies: dict[str, BlobEntry] = {}  # by the stored blob's own id (a shared blob is copied once)
-    for pid in sorted(doomed):
-        try:
-            data = memoryview(repo.store.get(pack_name(pid)))
-        except ObjectNotFound:
-            raise OperationAborted(f"pack {pid} was deleted while this save copied out of it; not committing") from None
-        for bid, e in entries.items():
-            if e.pack != pid:
-                continue
-            if e.id not in copies:
-                blob = data[e.offset : e.offset + e.length]
-                try:
-                    cks.verify(blob, e.checksum, obj=pack_name(pid), blob=e.id)
-                except GpuckptError as exc:
-                    why = f"a blob of condemned pack {pid} does not verify ({exc}); not committing"
-                    raise OperationAborted(why) from None
-                copies[e.id] = pw.add(e.id, blob, e.raw_length, e.checksum, e.raw_checksum, e.codec, e.content)
-            moved[bid] = copies[e.id]
-    raw = pw.finish(repo.keyring)
-    repo.store.put(pw.name, raw)
-    rec = PackRecord(pw.id, len(raw), tuple(pw.entries))
-    out.append(rec)
-    name = index_name(secrets.token_hex(16))
-    repo.store.put(name, encode_index(name, out, repo.keyring))
-    repo.index.add(name, out)
-    log.info(
-        "copied blobs out of condemned packs before the commit", extra={"packs": sorted(doomed), "blobs": len(moved)}
-    )
-    return {**entries, **moved}, out
-
-
 def save_checkpoint(
-    repo: Repository,
+    blobs: BlobStore,
     blocks: Iterable[Block | Existing],
     *,
     worker_id: str,
@@ -639,11 +556,11 @@ def save_checkpoint(
         ledger = Ledger.model_validate(ledger)
     t0 = time.monotonic()
     started = datetime.now(UTC)
-    saver, refs, entries, written = _write_blobs(repo, blocks, namespace, options, progress, deadline, cancel)
+    saver, refs, entries, written = _write_blobs(blobs, blocks, namespace, options, progress, deadline, cancel)
     t_blocks = time.monotonic() - t0
     # the last look at the packs on the store before the commit (a round that copied re-checks the others)
     for _ in range(CARRY_ROUNDS):
-        entries, copied = carry_forward(repo, entries, written)
+        entries, copied = carry_forward(blobs, entries, written)
         written = [*written, *copied]
         if not copied:
             break
@@ -702,7 +619,7 @@ def save_checkpoint(
     if before_commit is not None:
         before_commit()
     saver.prog.phase = "manifest"
-    encoded = manifest.encode(repo.keyring)
+    encoded = manifest.encode(blobs.keyring)
     if len(encoded) > MANIFEST_MAX_BYTES:
         # readers refuse it (ckpt.manifest.DEFAULT_MAX_BYTES): `latest` would skip it and gc take its data
         raise OperationAborted(
@@ -710,7 +627,7 @@ def save_checkpoint(
             f"({MANIFEST_MAX_BYTES}); not committing: checkpoint fewer blocks (a smaller prefix cache)"
         )
     # The commit point: the checkpoint exists once this create succeeds.
-    repo.store.put(manifest.name, encoded, if_absent=True)
+    blobs.store.put(manifest.name, encoded, if_absent=True)
     saver.prog.phase = "done"
     saver._report(force=True)
     log.info(

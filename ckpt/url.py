@@ -39,6 +39,8 @@ def open_store(url: str, *, create: bool = True) -> Store:
             path = url
         return LocalStore(Path(path).expanduser(), create=create)
     if scheme == "s3":
+        # late on purpose: boto3 and botocore (~0.3 s to import) load only when an s3:// repository
+        # is opened; a local one, and every process that imports ckpt without opening one, never pay
         from ckpt.store.s3 import S3Store
 
         return RetryStore(S3Store.from_url(url), attempts=3)

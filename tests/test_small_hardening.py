@@ -14,7 +14,8 @@ import pytest
 from agent.engines import control
 from ckpt import Block, HostFacts, Keyring, Namespace, OperationAborted, Pins, WorkerFacts, document
 from ckpt import save as save_mod
-from ckpt.repository import DEFAULT_PACK_SIZE, Repository
+from ckpt.config import DEFAULT_PACK_SIZE
+from ckpt.repository import Repository
 
 NS = Namespace({"model": "hardening"})
 PINS = Pins(host=HostFacts(), worker=WorkerFacts())

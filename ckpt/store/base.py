@@ -1,7 +1,7 @@
 """The storage interface every backend implements.
 
 A store maps object names to immutable byte strings. The repository layer
-(:mod:`ckpt.repository`) is written against this interface only; retry,
+(:mod:`ckpt.blobstore` and all above it) is written against this interface only; retry,
 fault injection and logging are wrappers implementing the same interface.
 
 Semantics every store guarantees (the conformance suite in
@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from ckpt.errors import InvalidName
+from ckpt.errors import InvalidName, ObjectNotFound
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
 MAX_NAME_BYTES = 1024
@@ -132,8 +132,6 @@ class Store(ABC):
         """Remove the object. Removing a missing object is not an error."""
 
     def exists(self, name: str) -> bool:
-        from ckpt.errors import ObjectNotFound
-
         try:
             self.stat(name)
         except ObjectNotFound:
