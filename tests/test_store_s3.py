@@ -21,7 +21,8 @@ from ckpt.errors import (
     StoreUnavailable,
 )
 from ckpt.store import s3 as s3mod
-from ckpt.store.s3 import MiB, S3Store, _translate
+from ckpt.store.s3 import MiB, S3Store
+from ckpt.store.s3_errors import translate as _translate
 from tests.seaweed import SeaweedServer, free_port
 from tests.store_suite import RawAccess, StoreTests
 

@@ -21,7 +21,7 @@ store contract needs maps onto S3 like this:
 Credentials come only from the standard boto3 chain (environment, shared
 profile, instance or container role); never from the URL. Every botocore
 exception is translated into the :mod:`ckpt.errors` tree in exactly one
-place, :func:`_translate`.
+place, :func:`ckpt.store.s3_errors.translate`.
 
 For fault-injection tests the boto3 client is public as :attr:`S3Store.client`;
 register botocore event handlers on ``client.meta.events`` (for example
@@ -50,29 +50,20 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    CredentialRetrievalError,
-    FlexibleChecksumError,
-    HTTPClientError,
-    IncompleteReadError,
-    NoCredentialsError,
-    PartialCredentialsError,
     ProfileNotFound,
 )
-from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ckpt.errors import (
-    AccessDenied,
     ConfigError,
     GpuckptError,
     IntegrityError,
     InvalidName,
     ObjectExists,
     ObjectNotFound,
-    StorageFull,
-    StoreError,
     StoreUnavailable,
 )
 from ckpt.store.base import Buffer, Capabilities, ObjectInfo, Store, check_name, check_prefix, retry_budget_left
+from ckpt.store.s3_errors import EXISTS_CODES, NOT_FOUND_CODES, TRANSLATED, translate
 
 log = logging.getLogger("gpuckpt.store")
 
@@ -87,47 +78,6 @@ MAX_PARTS = 10_000
 ENDPOINT_ENV_VARS = ("GPUCKPT_S3_ENDPOINT", "AWS_ENDPOINT_URL")
 _URL_OPTIONS = ("endpoint", "region", "profile")
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
-
-# -- error translation (the one place botocore errors become ckpt errors) ------
-
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchVersion"})
-_EXISTS_CODES = frozenset({"PreconditionFailed", "412"})
-_ACCESS_CODES = frozenset(
-    {
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "InvalidToken",
-        "ExpiredToken",
-        "TokenRefreshRequired",
-        "AllAccessDisabled",
-        "AccountProblem",
-        "InvalidSecurity",
-        "403",
-    }
-)
-_INTEGRITY_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"})
-_FULL_CODES = frozenset({"EntityTooLarge", "QuotaExceeded", "InsufficientStorage", "507"})
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "ProvisionedThroughputExceededException",
-        "ServiceUnavailable",
-        "InternalError",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "OperationAborted",
-        "PriorRequestNotComplete",
-    }
-)
 
 
 def _no_retry_past_deadline(
@@ -147,82 +97,6 @@ def _no_retry_past_deadline(
             f"s3 request failed ({why}) after {attempts} attempt(s); "
             "not retried: the deadline passes before a retry could"
         )
-
-
-def _translate(exc: BaseException, name: str, op: str, *, bucket: str | None = None) -> GpuckptError:
-    """Map a boto3/botocore exception raised by ``op`` on object ``name`` to the
-    :mod:`ckpt.errors` tree. Messages name the object, bucket and cause, never
-    credentials. The caller raises the result ``from exc``."""
-    where = f"{name!r}" + (f" in bucket {bucket!r}" if bucket else "")
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {}) or {}
-        code = str(err.get("Code", "") or "")
-        message = str(err.get("Message", "") or "")
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        status = int(status) if status else 0
-        named = err.get("BucketName")
-        bucket = bucket or (str(named) if named else None)
-        where = f"{name!r}" + (f" in bucket {bucket!r}" if bucket else "")
-        cause = f"{code or status}: {message}".rstrip(": ")
-        if status:
-            cause += f" (HTTP {status})"
-
-        if code == "NoSuchBucket":
-            return ObjectNotFound(f"s3 {op} {name!r}: bucket {bucket!r} does not exist ({cause})", key=name)
-        if code == "NoSuchUpload":
-            # The multipart upload vanished under us: aborted by a concurrent
-            # cleanup, or completed by an earlier attempt whose answer was
-            # lost. Retrying the whole put is the remedy.
-            return StoreUnavailable(f"s3 {op} {where}: the multipart upload is gone ({cause})", key=name)
-        if code in _NOT_FOUND_CODES or status == 404:
-            return ObjectNotFound(f"not found: {where} ({cause})", key=name)
-        if code in ("InvalidRange",) or status == 416:
-            return IntegrityError(
-                f"object {name!r} is truncated: the range asked for runs past its end ({cause})",
-                obj=name,
-            )
-        if code == "ConditionalRequestConflict":
-            # 409: another conditional write to the name is in flight. AWS says
-            # retry; the retry then wins or gets 412 (ObjectExists).
-            return StoreUnavailable(f"s3 {op} {where}: conflicting conditional write in flight ({cause})", key=name)
-        if code in _EXISTS_CODES or status == 412:
-            if op == "get":
-                return StoreUnavailable(
-                    f"s3 {op} {where}: the object changed while it was being read ({cause})",
-                    key=name,
-                )
-            return ObjectExists(f"object exists: {where} ({cause})", key=name)
-        # Specific codes before bare statuses: a quota error comes as a 403.
-        if code in _INTEGRITY_CODES:
-            return IntegrityError(f"s3 {op} {where}: the server rejected the bytes' checksum ({cause})", obj=name)
-        if code in _FULL_CODES or status == 507:
-            return StorageFull(f"storage full: s3 {op} {where} ({cause})", key=name)
-        if code in _ACCESS_CODES or status == 403:
-            return AccessDenied(f"access denied: s3 {op} {where} ({cause})", key=name)
-        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
-            return StoreUnavailable(f"s3 {op} {where}: server unavailable ({cause})", key=name)
-        return StoreError(f"s3 {op} {where}: {cause}", key=name)
-
-    if isinstance(exc, FlexibleChecksumError):
-        return IntegrityError(f"s3 {op} {where}: checksum mismatch: {exc}", obj=name)
-    if isinstance(exc, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
-        return AccessDenied(
-            f"s3 {op} {where}: no usable credentials in the boto3 chain "
-            f"(environment, profile, instance role): {type(exc).__name__}",
-            key=name,
-        )
-    if isinstance(exc, BotoConnectionError | HTTPClientError | IncompleteReadError):
-        # EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError,
-        # ReadTimeoutError, ResponseStreamingError ...
-        return StoreUnavailable(f"s3 {op} {where}: connection failed: {type(exc).__name__}: {exc}", key=name)
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return StoreUnavailable(f"s3 {op} {where}: connection failed: {type(exc).__name__}: {exc}", key=name)
-    if isinstance(exc, BotoCoreError):
-        return StoreError(f"s3 {op} {where}: {type(exc).__name__}: {exc}", key=name)
-    return StoreError(f"s3 {op} {where}: {type(exc).__name__}: {exc}", key=name)
-
-
-_TRANSLATED = (BotoCoreError, ClientError, ConnectionError, TimeoutError)
 
 
 # -- a zero-copy request body ---------------------------------------------------
@@ -479,8 +353,8 @@ class S3Store(Store):
     def _call(self, name: str, op: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except _TRANSLATED as exc:
-            raise _translate(exc, name, op, bucket=self.bucket) from exc
+        except TRANSLATED as exc:
+            raise translate(exc, name, op, bucket=self.bucket) from exc
 
     # -- put -------------------------------------------------------------------------
 
@@ -508,9 +382,9 @@ class S3Store(Store):
         except ClientError as exc:
             if if_absent and self._lost_answer_landed(exc, name, view):
                 return
-            raise _translate(exc, name, "put", bucket=self.bucket) from exc
-        except _TRANSLATED as exc:
-            raise _translate(exc, name, "put", bucket=self.bucket) from exc
+            raise translate(exc, name, "put", bucket=self.bucket) from exc
+        except TRANSLATED as exc:
+            raise translate(exc, name, "put", bucket=self.bucket) from exc
 
     def _lost_answer_landed(self, exc: ClientError, name: str, view: memoryview) -> bool:
         """A conditional create that botocore retried and that then found the
@@ -519,7 +393,7 @@ class S3Store(Store):
         meta = exc.response.get("ResponseMetadata", {})
         status = meta.get("HTTPStatusCode")
         code = exc.response.get("Error", {}).get("Code")
-        if not meta.get("RetryAttempts") or not (status == 412 or code in _EXISTS_CODES):
+        if not meta.get("RetryAttempts") or not (status == 412 or code in EXISTS_CODES):
             return False
         try:
             return self.get(name) == view
@@ -567,9 +441,9 @@ class S3Store(Store):
                 if if_absent and self._lost_answer_landed(exc, name, view):
                     return
                 raise
-        except _TRANSLATED as exc:
+        except TRANSLATED as exc:
             self._abort(name, key, upload_id)
-            raise _translate(exc, name, "put", bucket=self.bucket) from exc
+            raise translate(exc, name, "put", bucket=self.bucket) from exc
         except BaseException:
             self._abort(name, key, upload_id)
             raise
@@ -604,8 +478,8 @@ class S3Store(Store):
     def _key_exists(self, name: str, key: str) -> bool:
         try:
             self.client.head_object(Bucket=self.bucket, Key=key)
-        except _TRANSLATED as exc:
-            err = _translate(exc, name, "stat", bucket=self.bucket)
+        except TRANSLATED as exc:
+            err = translate(exc, name, "stat", bucket=self.bucket)
             if isinstance(err, ObjectNotFound):
                 return False
             raise err from exc
@@ -726,11 +600,11 @@ class S3Store(Store):
             self.client.delete_object(Bucket=self.bucket, Key=key)
         except ClientError as exc:
             # S3 answers 204 for a missing key; some compatible servers 404.
-            if exc.response.get("Error", {}).get("Code") in _NOT_FOUND_CODES:
+            if exc.response.get("Error", {}).get("Code") in NOT_FOUND_CODES:
                 return
-            raise _translate(exc, name, "delete", bucket=self.bucket) from exc
-        except _TRANSLATED as exc:
-            raise _translate(exc, name, "delete", bucket=self.bucket) from exc
+            raise translate(exc, name, "delete", bucket=self.bucket) from exc
+        except TRANSLATED as exc:
+            raise translate(exc, name, "delete", bucket=self.bucket) from exc
 
     # -- maintenance -------------------------------------------------------------------
 
@@ -754,9 +628,9 @@ class S3Store(Store):
                 except ClientError as exc:
                     if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
                         continue  # someone else finished or aborted it
-                    raise _translate(exc, key, "cleanup", bucket=self.bucket) from exc
-                except _TRANSLATED as exc:
-                    raise _translate(exc, key, "cleanup", bucket=self.bucket) from exc
+                    raise translate(exc, key, "cleanup", bucket=self.bucket) from exc
+                except TRANSLATED as exc:
+                    raise translate(exc, key, "cleanup", bucket=self.bucket) from exc
                 aborted += 1
 
     def close(self) -> None:
