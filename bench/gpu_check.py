@@ -1,5 +1,5 @@
 """GPU check: the fingerprint through NVML and cuda-python on a real GPU, and
-the save pipeline fed from CUDA memory through pinned staging on a side stream.
+the save pipeline fed from CUDA memory through pinned host buffers on a side stream.
 
 Prints the device→host copy alone (GB/s) and the save pipeline's throughput as
 a ratio to it. With ``--vllm`` (vLLM's CUDA build installed), also checkpoints
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt import Namespace, Pins, Repository, WorkerFacts, host_facts
-from ckpt.staging import HostStaging
+from ckpt.hostbuffers import HostBuffers
 
 MiB = 1 << 20
 
@@ -51,11 +51,11 @@ def main() -> int:
         for i in range(n)
     ]
     torch.cuda.synchronize()
-    st = HostStaging(args.block_mib * MiB, count=32)
+    st = HostBuffers(args.block_mib * MiB, count=32)
 
-    # Device->host copy alone, through the same staging path the save uses.
+    # Device->host copy alone, through the same host buffers the save uses.
     t = time.perf_counter()
-    for b in st.stage(pages, lookahead=16):
+    for b in st.copy(pages, lookahead=16):
         assert b.release is not None
         b.release()
     copy_s = time.perf_counter() - t
@@ -67,7 +67,7 @@ def main() -> int:
         pins = Pins(host=facts, worker=WorkerFacts(engine="gpu-check"))
         t = time.perf_counter()
         m = repo.save(
-            st.stage(pages, lookahead=16), worker_id="gpu", namespace=Namespace({"engine": "gpu-check"}), pins=pins
+            st.copy(pages, lookahead=16), worker_id="gpu", namespace=Namespace({"engine": "gpu-check"}), pins=pins
         )
         save_s = time.perf_counter() - t
         print(

@@ -110,12 +110,12 @@ class Block:
 
     @classmethod
     def from_tensor(cls, key: bytes, tensor: torch.Tensor) -> Block:
-        """A block from a CPU tensor (a CUDA tensor must be staged to host first;
-        see :class:`ckpt.staging.HostStaging`)."""
+        """A block from a CPU tensor (a CUDA tensor must be copied to host first;
+        see :class:`ckpt.hostbuffers.HostBuffers`)."""
         import torch
 
         if tensor.device.type != "cpu":
-            raise ConfigError("Block.from_tensor takes a host tensor; stage device memory first")
+            raise ConfigError("Block.from_tensor takes a host tensor; copy device memory to host first")
         t = tensor.contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
         flat = t.reshape(-1).view(torch.uint8)

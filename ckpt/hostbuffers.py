@@ -1,22 +1,25 @@
-"""Host staging: device pages → reusable host buffers, overlapped with the save.
+"""Host buffers: device pages → a reusable pool of host buffers, overlapped with the save.
 
 On a CUDA host, KV pages live in device memory. The save pipeline reads host
 memory, so each page is first copied into a *pinned* host buffer (pinned
 memory is what lets the DMA engine copy asynchronously at full PCIe/NVLink
 bandwidth) on a *side stream* (so the copy does not serialize with the
 engine's compute stream). A bounded pool of buffers is reused: when the pool
-is exhausted, staging waits for the save pipeline to release a buffer, which
+is exhausted, the copy waits for the save pipeline to release a buffer, which
 bounds host memory no matter how large the KV cache is.
+
+These buffers are not the agent's *staging* (the page files a worker writes
+for its agent); ``bench/gpu_check.py`` measures the device→host copy here.
 
 Contract:
 
-* :meth:`HostStaging.stage` yields :class:`~ckpt.blocks.Block` objects whose
-  ``data`` views a staging buffer. The buffer returns to the pool when the
+* :meth:`HostBuffers.copy` yields :class:`~ckpt.blocks.Block` objects whose
+  ``data`` views a host buffer. The buffer returns to the pool when the
   consumer calls the block's ``release`` — the save pipeline does so once the
   bytes are copied into a pack (or the block was deduplicated).
 * Copies are issued ``lookahead`` blocks ahead of the consumer; a block is
   yielded only after its copy's CUDA event has completed.
-* The caller guarantees the source pages are not overwritten until ``stage``
+* The caller guarantees the source pages are not overwritten until ``copy``
   has yielded them (the engine adapter pauses or copies at a step boundary).
 
 On a host without CUDA the same code runs with ordinary host buffers and
@@ -39,13 +42,13 @@ from ckpt.errors import ConfigError
 
 
 @dataclass
-class StagingStats:
+class CopyStats:
     blocks: int = 0
     bytes: int = 0
     waits_for_buffer: int = 0
 
 
-class HostStaging:
+class HostBuffers:
     """A pool of ``count`` host buffers of ``buffer_bytes`` each.
 
     ``pin`` defaults to "pin when CUDA is available". Thread-safe release.
@@ -55,7 +58,7 @@ class HostStaging:
         self, buffer_bytes: int, count: int = 16, *, pin: bool | None = None, device: torch.device | str | None = None
     ) -> None:
         if buffer_bytes <= 0 or count <= 0:
-            raise ConfigError("staging needs a positive buffer size and count")
+            raise ConfigError("host buffers need a positive buffer size and count")
         self.cuda = torch.cuda.is_available()
         self.pinned = self.cuda if pin is None else pin
         self.buffer_bytes = buffer_bytes
@@ -63,7 +66,7 @@ class HostStaging:
         for _ in range(count):
             self._free.put(torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=self.pinned))
         self.count = count
-        self.stats = StagingStats()
+        self.stats = CopyStats()
         self._lock = threading.Lock()
         self._stream: Any = None
         if self.cuda:
@@ -84,7 +87,7 @@ class HostStaging:
     def free_buffers(self) -> int:
         return self._free.qsize()
 
-    def stage(self, pages: Iterable[tuple[bytes, torch.Tensor]], *, lookahead: int = 4) -> Iterator[Block]:
+    def copy(self, pages: Iterable[tuple[bytes, torch.Tensor]], *, lookahead: int = 4) -> Iterator[Block]:
         """Copy ``(key, tensor)`` pages to host buffers; yield Blocks in order."""
         inflight: deque[tuple[Any, Block]] = deque()
         lookahead = max(1, min(lookahead, self.count))
