@@ -162,6 +162,7 @@ class _Wrapped:
         call.outcome = "kept" if kept is not None else "new: not kept (no API facts, or over the bound)"
         engine_sp = sp
         if ch is not None:
+            # late: the agent's process imports this module (serve.py, engine.py) without vLLM installed
             from vllm.sampling_params import RequestOutputKind
 
             if getattr(sp, "output_kind", RequestOutputKind.DELTA) != RequestOutputKind.DELTA:
@@ -205,6 +206,7 @@ class _Wrapped:
         """The response's engine outputs, from the continuation: each choice's tokens from
         ``offset`` on, detokenized by vLLM's own incremental detokenizer primed with the prompt
         (stop strings and ``min_tokens`` judged over the whole output, across the checkpoint)."""
+        # late: vLLM is there only in the API server's process (see above)
         from vllm.outputs import CompletionOutput, RequestOutput
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
+
 from agent.engines.base import Resubmission
 
 
 def submit(llm: Any, requests: list[Resubmission]) -> None:
     """Add resubmissions to an offline ``vllm.LLM`` under their original request ids."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import StructuredOutputsParams
-
     for r in requests:
         prompt = TokensPrompt(prompt_token_ids=list(r.token_ids))
         if r.cache_salt is not None:

@@ -15,6 +15,7 @@ NAME = "GpuckptConnector"
 
 
 def register() -> None:
+    # late: vLLM calls register() while it loads its plugins, before its connector factory is wanted
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     # register_connector raises on a second registration of the same name.

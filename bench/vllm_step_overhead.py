@@ -1,0 +1,105 @@
+"""What loading gpuckpt costs a vLLM worker that is not being checkpointed: decode throughput with
+the connector ÷ without, same machine, same run, alternated rounds.
+
+Each run is a fresh offline engine (its own process: nothing warm carries over) on the tiny
+random-weight Llama, serving 16 greedy requests × 256 tokens (EOS ignored) after a warm-up
+batch; the figure is generated tokens per second over the timed batch, and the extra time per
+engine step (batch wall time ÷ steps, with − without). Rounds alternate the two configurations
+so drift in the machine's load falls on both.
+
+``python bench/vllm_step_overhead.py [--rounds 2] [--requests 16] [--tokens 256]``
+(``make bench-overhead``). Prints one line per run and the ratios; exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from vllm_common import WORKER_ENV, make_model  # noqa: E402
+
+
+def run_one(model: str, connector: bool, requests: int, tokens: int, sock: str) -> dict[str, float]:
+    """One engine, one timed batch (in this process)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, object] = {}
+    if connector:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="GpuckptConnector",
+            kv_role="kv_both",
+            kv_connector_module_path="agent.engines.vllm.connector",
+            kv_connector_extra_config={"control_socket": sock},
+            kv_load_failure_policy="recompute",
+        )
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=1024,
+        max_num_seqs=requests,
+        seed=0,
+        **kw,
+    )
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 23 + i, 42] * 8} for i in range(requests)]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    # every request decodes in lockstep: one prefill step, then one step per further token
+    steps = tokens
+    return {"tokens_per_s": generated / dt, "ms_per_step": dt * 1000 / steps, "wall_s": dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--child", choices=["with", "without"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        with tempfile.TemporaryDirectory(prefix="gpo-", dir="/tmp") as d:
+            r = run_one(a.model, a.child == "with", a.requests, a.tokens, os.path.join(d, "c.sock"))
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    root = Path(os.environ.get("GPUCKPT_BENCH_MODELS", Path(tempfile.gettempdir()) / "gpuckpt-bench-models"))
+    model = make_model(root, layers=2, hidden=256, heads=4, kv_heads=2, vocab=512, dtype="float32")
+    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": str(HERE.parent)}
+    results: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
+    for rnd in range(a.rounds):
+        order = ["without", "with"] if rnd % 2 == 0 else ["with", "without"]
+        for cfg in order:
+            cmd = [sys.executable, __file__, "--child", cfg, "--model", str(model)]
+            cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"the {cfg} run failed:\n{out.stderr[-3000:]}")
+            r = json.loads(line.removeprefix("RESULT "))
+            results[cfg].append(r)
+            print(f"round {rnd + 1} {cfg:>7} gpuckpt: {r['tokens_per_s']:8.1f} tok/s  {r['ms_per_step']:6.2f} ms/step")
+    for rnd, (w, wo) in enumerate(zip(results["with"], results["without"], strict=True)):
+        ratio = w["tokens_per_s"] / wo["tokens_per_s"]
+        extra = w["ms_per_step"] - wo["ms_per_step"]
+        print(f"round {rnd + 1}: throughput with ÷ without = {ratio:.3f}; {extra:+.2f} ms per engine step")
+
+
+if __name__ == "__main__":
+    main()
