@@ -1,7 +1,7 @@
 """`make demo ENGINE=sglang`: checkpoint a live SGLang server, kill it, restore into a fresh one.
 
 The same job as `make demo` (bench/vllm_demo.py), through the same agent-side
-code (:mod:`agent.engines.driver`), on SGLang 0.5.23's CPU build with
+code (:mod:`agent.session`), on SGLang 0.5.23's CPU build with
 gpuckpt's cache linker (its own ``--enable-unified-cache-external-linker``
 flags, no patch to SGLang):
 
@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_common import free_port, make_model
 
-from agent.engines import canary, driver
+from agent import session
+from agent.engines import canary
 from agent.engines.sglang.serve import CPU_ARGS, Completion, SglangProcess
 from ckpt import Repository, host_facts
 
@@ -127,9 +128,8 @@ def main() -> None:
             for t in threads:
                 t.start()
 
-        st: dict[str, Any] = {}
         # the capture is pending before the turns are sent: a busy host cannot let the moment pass
-        m = driver.checkpoint_around(
+        done = session.checkpoint_around(
             a_s.control_socket,
             start,
             repo,
@@ -137,8 +137,8 @@ def main() -> None:
             canary=probe,
             when={"live": len(turn2), "min_outputs": 40},
             timeout=300,
-            stats=st,
         )
+        m, st = done.manifest, dict(done.stats)
     finally:
         a_s.kill()
     assert m.ledger is not None
@@ -154,7 +154,7 @@ def main() -> None:
     b_s = server("B")
     try:
         t0 = time.monotonic()
-        plan = driver.restore(
+        plan = session.restore(
             repo, m.id, b_s.control_socket, staging_dir=str(run / "stage-B"), generate=b_s.client.generate
         )
         plan_s = time.monotonic() - t0

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_demo import SERVER_ARGS, STANDIN, sglang_python
 from vllm_common import free_port, kv_bytes_per_token, make_model
 
-from agent.engines import driver
+from agent import session
 from agent.engines.sglang.serve import Completion, SglangProcess
 from ckpt import Repository
 
@@ -83,8 +83,8 @@ def bench_sglang(
         out["checkpoint"] = {}
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
-            st: dict[str, Any] = {}
-            m = driver.checkpoint(s.control_socket, repo, f"bench-sglang-{name}", generate=s.client.generate, stats=st)
+            done = session.checkpoint(s.control_socket, repo, f"bench-sglang-{name}", generate=s.client.generate)
+            m, st = done.manifest, dict(done.stats)
             tokens = st["pages"] * PAGE_SIZE
             out["checkpoint"][store] = {
                 "id": m.id,
@@ -99,7 +99,7 @@ def bench_sglang(
         repo = Repository.open(url)
         with server() as s:
             t0 = time.monotonic()
-            plan = driver.restore(
+            plan = session.restore(
                 repo,
                 out["checkpoint"][store]["id"],
                 s.control_socket,

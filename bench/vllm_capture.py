@@ -56,7 +56,7 @@ import contextlib
 
 from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, worker_args
 
-from agent.engines import driver
+from agent import session
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
 
@@ -70,7 +70,7 @@ def checkpoint(w: ServeProcess, repo: Repository, bound: int, per_step: int, *, 
     with sampler:
         if full:
             # the reference: a capture that copies every page (read to its end, not saved)
-            cap = driver.capture(w.control_socket, 300, full=True, max_staging=bound, copy_per_step=per_step)
+            cap = session.capture(w.control_socket, 300, full=True, max_staging=bound, copy_per_step=per_step)
             try:
                 for _ in cap.pages:
                     pass
@@ -79,10 +79,10 @@ def checkpoint(w: ServeProcess, repo: Repository, bound: int, per_step: int, *, 
                 cap.close()
         else:
             t0 = time.monotonic()
-            st = {}
-            driver.checkpoint(
-                w.control_socket, repo, "bench", timeout=300, max_staging=bound, copy_per_step=per_step, stats=st
+            done = session.checkpoint(
+                w.control_socket, repo, "bench", timeout=300, max_staging=bound, copy_per_step=per_step
             )
+            st = dict(done.stats)
             st["total_s"] = time.monotonic() - t0
     st["sampled_peak_bytes"] = sampler.peak
     return st
@@ -119,7 +119,7 @@ class StagingSampler:
 
 def steps(sock: str) -> int:
     """The engine's step count (every step decodes a token of each live request here)."""
-    return int(driver.stats(sock)["step"])
+    return int(session.stats(sock)["step"])
 
 
 def rate(sock: str, seconds: float = 0.0, during: Any = None) -> tuple[float, Any]:
@@ -177,7 +177,7 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random, a: argpa
         fill(max(1, prompts // 10))
 
         def pre() -> dict[str, Any]:
-            return driver.precopy(
+            return session.precopy(
                 w.control_socket, repo, timeout=300, copy_per_step=a.precopy_kib * 1024, trust_domain="bench"
             )
 
@@ -212,7 +212,7 @@ class Decoders:
         self._wait_live()
 
     def _wait_live(self) -> None:
-        driver.wait_until(self.w.control_socket, live=self.n, min_outputs=8, timeout=300)
+        session.wait_until(self.w.control_socket, live=self.n, min_outputs=8, timeout=300)
 
     def _decode(self) -> None:
         while True:
@@ -236,7 +236,7 @@ class Decoders:
         self._run_ok.clear()
         self._epoch += 1
         deadline = time.monotonic() + 300
-        while driver.stats(self.w.control_socket)["live"] and time.monotonic() < deadline:
+        while session.stats(self.w.control_socket)["live"] and time.monotonic() < deadline:
             time.sleep(0.01)  # the streams close at their next token: the server aborts them
 
     def resume(self) -> None:
@@ -281,14 +281,17 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
                 )
                 for k in live
             ]
-            driver.hold(w.control_socket, len(live), timeout=300)
+            session.hold(w.control_socket, len(live), timeout=300)
 
             def go() -> None:
                 for t in threads:
                     t.start()
 
             when = {"live": len(live), "min_outputs": 20}
-            m = driver.checkpoint_around(w.control_socket, go, repo, "bench-r", canary=probe, when=when, timeout=300)
+            done = session.checkpoint_around(
+                w.control_socket, go, repo, "bench-r", canary=probe, when=when, timeout=300
+            )
+            m = done.manifest
         finally:
             w.kill()
 
@@ -310,7 +313,7 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
             try:
                 repo = Repository.open(url)
                 t0 = time.monotonic()
-                plan = driver.restore(
+                plan = session.restore(
                     repo, m.id, b.control_socket, staging_dir=str(stage), generate=b.client.generate, release=mode
                 )
                 t_plan = time.monotonic() - t0

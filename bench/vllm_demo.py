@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 
-from agent.engines import canary, driver
+from agent import session
+from agent.engines import canary
 from agent.engines.serving import Completion
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository, host_facts
@@ -122,11 +123,11 @@ def main() -> None:
         when = {"live": len(turn2), "min_outputs": 60}
         # captured at a step boundary where every second turn still runs, as the engine judges
         # it; the capture is pending before the turns are sent, so a busy host cannot miss it
-        driver.hold(a_w.control_socket, len(turn2), timeout=240)
-        st: dict[str, Any] = {"canary_s": canary_s}
-        m = driver.checkpoint_around(
-            a_w.control_socket, start, repo, "demo-worker", canary=probe, when=when, timeout=240, stats=st
+        session.hold(a_w.control_socket, len(turn2), timeout=240)
+        done = session.checkpoint_around(
+            a_w.control_socket, start, repo, "demo-worker", canary=probe, when=when, timeout=240
         )
+        m, st = done.manifest, dict(done.stats)
         st["canary_s"] = canary_s
         # from the step boundary on: the capture's wait for the turns to get there is not its cost
         ckpt_s = st["capture_s"] - st["wait_s"] + st["save_s"]
@@ -146,7 +147,7 @@ def main() -> None:
     b_w = worker("B")
     try:
         t0 = time.monotonic()
-        plan = driver.restore(
+        plan = session.restore(
             repo, m.id, b_w.control_socket, staging_dir=str(run / "stage-B"), generate=b_w.client.generate
         )
         plan_s = time.monotonic() - t0

@@ -8,7 +8,7 @@ random prompts) send their prompt concurrently (streamed, 2 new tokens) to a
 (c) recompute   a fresh worker computes every prompt token (a cold start that
                 replays the sessions);
 (b) resident    the same worker again: the KV is in its prefix cache, the limit;
-(a) restored    a fresh worker after ``driver.restore`` of a checkpoint of (b)'s
+(a) restored    a fresh worker after ``agent.session.restore`` of a checkpoint of (b)'s
                 worker, from the local repository or from SeaweedFS (S3 on
                 loopback); the restore's own time (download, verify,
                 decode, stage) is shown beside it;
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, worker_args
 
-from agent.engines import driver
+from agent import session
 from agent.engines.serving import Completion
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository, host_facts
@@ -167,8 +167,8 @@ def bench_model(
         out["checkpoint"] = {}
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
-            st: dict[str, Any] = {}
-            m = driver.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate, stats=st)
+            done = session.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate)
+            m, st = done.manifest, dict(done.stats)
             tokens = st["pages"] * 32
             out["checkpoint"][store] = {
                 "id": m.id,
@@ -187,7 +187,7 @@ def bench_model(
             drop_page_cache(Path(url))
         with worker() as w:
             t0 = time.monotonic()
-            plan = driver.restore(
+            plan = session.restore(
                 repo,
                 out["checkpoint"][store]["id"],
                 w.control_socket,

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 
-from agent.engines import canary, driver
+from agent import session
+from agent.engines import canary
 from agent.engines.vllm.middleware import ATTACH_HEADER
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
@@ -129,9 +130,10 @@ def main() -> None:
             for t in threads:
                 t.start()
 
-        driver.hold(w.control_socket, len(bodies), timeout=300)
+        session.hold(w.control_socket, len(bodies), timeout=300)
         when = {"live": len(bodies), "min_outputs": a.cut}
-        m = driver.checkpoint_around(w.control_socket, start, repo, "w0", canary=probe, when=when, timeout=900)
+        done = session.checkpoint_around(w.control_socket, start, repo, "w0", canary=probe, when=when, timeout=900)
+        m = done.manifest
         w.kill()
     assert m.ledger is not None
     missing = sum(a.tokens - len(e["output_token_ids"]) for e in m.ledger.data["requests"])
@@ -151,7 +153,7 @@ def main() -> None:
         res_b, _ = clients(w.url)
         t_plan = time.monotonic()
         stage = str(run / "stage-b")
-        plan = driver.restore(repo, m.id, w.control_socket, staging_dir=stage, generate=w.client.generate)
+        plan = session.restore(repo, m.id, w.control_socket, staging_dir=stage, generate=w.client.generate)
         plan_s = time.monotonic() - t_plan
         w.client.submit(plan.requests, stream=False)  # as the agent does
         while any("ids" not in r for r in res_b.values()):

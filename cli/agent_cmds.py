@@ -50,7 +50,7 @@ AgentOpt = Annotated[
 
 
 def _client(sock: str | None) -> Any:
-    from agent.daemon.api import AgentClient  # late: httpx and asyncio cost ~25 ms of start-up every verb would pay
+    from agent.daemon.client import AgentClient  # late: httpx and asyncio cost ~25 ms of start-up every verb would pay
 
     if not sock:
         raise ckpt.ConfigError(f"no agent socket: pass --agent SOCKET or set ${AGENT_ENV}")
@@ -58,7 +58,7 @@ def _client(sock: str | None) -> Any:
 
 
 def _call(client: Any, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    from agent.daemon.api import AgentApiError  # late: as in _client
+    from agent.daemon.client import AgentApiError  # late: as in _client
 
     try:
         return client.request(method, path, body)
@@ -217,12 +217,14 @@ def restore_cmd(
     (--worker-url); without it the restore is cold unless --unchecked.
     --dry-run exits 5 when a warm restore would be refused.
     """
+    from agent import session  # late: the restore's machinery (page files, streams) runs only here
+
     policy = ckpt.Policy.from_strings(ignore=ignore or [])
     with open_repo(ctx, repo, key) as r:
         m = r.manifest(ref)
         try:
             engine = engines.attach(connector, engine_name)
-            decision = engine.plan(m, policy)
+            decision = session.plan(engine, m, policy)
         except ckpt.EngineError:
             raise
         except OSError as exc:
@@ -246,55 +248,41 @@ def restore_cmd(
             return
         client = engine.client(worker_url) if worker_url else None
         try:
-            result = engine.restore(
+            plan = session.restore(
                 r,
                 m.id,
+                engine,
                 policy=policy,
                 generate=client.generate if client else None,
                 require_canary=not unchecked,
             )
-            outputs: dict[str, Any] = {}
-            if client is not None and result.requests:
+            resubmitted = None
+            if client is not None and plan.requests:
                 try:
-                    outs = client.submit(result.requests)
+                    resubmitted = session.resubmit(client, plan.requests)
                 except (ckpt.GpuckptError, OSError) as exc:  # the client's refusal (ServeError) or no answer
                     raise ckpt.WorkerUnreachable(f"resubmitting to {worker_url}: {exc}") from None
-                outputs = {
-                    rid: {
-                        "new_token_ids": c.token_ids,
-                        "finish_reason": c.finish_reason,
-                        "cached_tokens": c.cached_tokens,
-                    }
-                    for rid, c in outs.items()
-                }
             # the rest streams in behind the resubmitted requests; this process must not end before it
-            result.wait_offered()
+            plan.wait_offered()
         finally:
             if client is not None:
                 client.close()
-    report = {
-        "checkpoint": m.id,
-        "warm": result.warm,
-        "reasons": result.reasons,
-        "blocks_offered": result.offered_total,
-        "requests": [x.request_id for x in result.requests],
-        "resubmitted": bool(outputs),
-        "outputs": outputs,
-        "stats": result.stats,
-    }
+    result = session.Restored(m.id, plan, resubmitted)
+    report = result.to_json()
+    outputs = result.outputs()
     if json_:
         typer.echo(json.dumps(report, default=str))
         return
-    typer.echo(safe(f"restore of {m.id}: {'warm' if result.warm else 'cold (ledger replay)'}"))
-    for line in result.reasons:
+    typer.echo(safe(f"restore of {m.id}: {'warm' if plan.warm else 'cold (ledger replay)'}"))
+    for line in plan.reasons:
         typer.echo(safe(f"  {line}"))
     if outputs:
         for rid, o in outputs.items():
             typer.echo(
                 safe(f"  {rid}: {len(o['new_token_ids'])} new tokens, {o['cached_tokens']} prompt tokens from cache")
             )
-    elif result.requests:
-        typer.echo(f"  {len(result.requests)} requests to resubmit (pass --worker-url to resubmit them)")
+    elif plan.requests:
+        typer.echo(f"  {len(plan.requests)} requests to resubmit (pass --worker-url to resubmit them)")
 
 
 # -- launch ----------------------------------------------------------------------------------

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 import ckpt
-from agent import engines
+from agent import engines, session
 from agent.daemon.agent import Agent
 from agent.daemon.notify import Notifier
-from agent.engines import control, driver, ledgers
+from agent.engines import control, ledgers
 from agent.engines.base import Resubmission
+from agent.engines.types import Staging
 from tests.fake_connector import FakeConnector
 from tests.test_agent import make_cfg
 
@@ -93,9 +94,9 @@ def test_a_worker_of_another_engine_is_refused_by_name(short_tmp: Path) -> None:
     try:
         e = engines.get("sglang", fake.sock)
         with pytest.raises(ckpt.EngineMismatch, match="runs vllm, not sglang"):
-            e.describe()
+            session.describe(e)
         with pytest.raises(ckpt.EngineMismatch):
-            e.checkpoint(ckpt.Repository.init(f"file://{short_tmp / 'repo'}"), "w0")
+            session.checkpoint(e, ckpt.Repository.init(f"file://{short_tmp / 'repo'}"), "w0")
         assert fake.captures == 0  # refused before anything was captured
         assert engines.attach(fake.sock).name == "vllm"  # or taken as what it says it is
     finally:
@@ -118,12 +119,12 @@ def test_the_checkpoint_returns_its_stats_and_the_restore_decision_serializes_on
     fake = FakeConnector(short_tmp / "conn.sock", short_tmp / "stage")
     try:
         repo = ckpt.Repository.init(f"file://{short_tmp / 'repo'}")
-        e = engines.get("vllm", fake.sock, driver.Staging(fake.stage))
-        done = e.checkpoint(repo, "w0")
+        e = engines.get("vllm", fake.sock, Staging(fake.stage))
+        done = session.checkpoint(e, repo, "w0")
         assert done.manifest.sizes.blocks == fake.pages
         assert done.stats["pages"] == fake.pages
         assert "save_s" in done.stats
-        d = e.plan(done.manifest)
+        d = session.plan(e, done.manifest)
         assert d.warm, d.reasons
         assert d.reasons == []
         assert d.blocks == fake.pages

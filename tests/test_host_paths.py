@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agent import fs
-from agent.engines import driver, staging
+from agent import fs, session
+from agent.engines import staging
+from agent.engines.types import Staging
 from cli.main import app
 from tests.fake_connector import FakeConnector
 
@@ -148,7 +149,7 @@ def rig(short_tmp: Path) -> Iterator[tuple[Path, FakeConnector]]:
 
 
 def _capture(tmp: Path, fake: FakeConnector) -> None:
-    cap = driver.capture(fake.sock, 30, where=driver.Staging(tmp / "stage"))
+    cap = session.capture(fake.sock, 30, where=Staging(tmp / "stage"))
     try:
         for _ in cap.pages:
             pass
@@ -242,7 +243,7 @@ def test_without_a_configured_directory_a_world_writable_one_is_refused(rig: tup
     fake.name_index = lambda idx: str(_moved(tmp, idx, d))
     cap = None
     with pytest.raises(fs.UnsafePath, match=str(d)):
-        cap = driver.capture(fake.sock, 30)  # no Staging: the named file's own directory is judged
+        cap = session.capture(fake.sock, 30)  # no Staging: the named file's own directory is judged
     assert cap is None
 
 
@@ -286,12 +287,12 @@ def test_with_staging_unset_a_capture_cannot_name_the_agents_own_restore_pages(r
     """With no staging directory configured the agent reads page files from any directory it accepts;
     never from a restore's staging (its own files: read, then deleted)."""
     tmp, fake = rig
-    restore_dir = staging.default_dir(f"{driver.RESTORE_TAG}{os.getpid()}-test")
+    restore_dir = staging.default_dir(f"{session.RESTORE_TAG}{os.getpid()}-test")
     planted: list[Path] = []
     fake.name_index = lambda idx: str(planted.append(_moved(tmp, idx, restore_dir)) or planted[-1])
     try:
         with pytest.raises(fs.UnsafePath, match="restore's staging"):
-            driver.capture(fake.sock, 30, where=driver.Staging())  # staging_dir unset
+            session.capture(fake.sock, 30, where=Staging())  # staging_dir unset
         assert planted[0].exists(), "the restore's page file was deleted"
     finally:
         shutil.rmtree(restore_dir, ignore_errors=True)

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.engines import driver, staging
+from agent import session
+from agent.engines import staging
 
 
 def dead_pid() -> int:
@@ -18,19 +19,19 @@ def dead_pid() -> int:
 
 
 def test_a_dead_agents_restore_staging_is_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
-    dead = staging.default_dir(f"{driver.RESTORE_TAG}{dead_pid()}")
-    live = staging.default_dir(f"{driver.RESTORE_TAG}{os.getpid()}")
+    dead = staging.default_dir(f"{session.RESTORE_TAG}{dead_pid()}")
+    live = staging.default_dir(f"{session.RESTORE_TAG}{os.getpid()}")
     for d in (dead, live):
         staging.ensure_dir(d)
         w = staging.PageWriter(d, "restore-x", dtype="float32", page_shape=(1, 2), layers=["l0"])
         w.write(b"k" * 32, b"\0" * 8)
         w.commit()
     # something that is not ours to judge: a symlink with a dead pid's name
-    link = staging.default_dir(f"{driver.RESTORE_TAG}{dead_pid()}")
+    link = staging.default_dir(f"{session.RESTORE_TAG}{dead_pid()}")
     link.symlink_to(tmp_path)
     (tmp_path / "keep").write_text("not staging")
     try:
-        removed = driver.sweep_restore_dirs()
+        removed = session.sweep_restore_dirs()
         assert str(dead) in removed
         assert not dead.exists()
         assert live.exists(), "a running agent's staging is never swept"

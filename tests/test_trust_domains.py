@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines import driver
+from agent import session
+from agent.engines.types import Staging
 from ckpt import Repository
 from tests.fake_connector import FakeConnector
 
@@ -34,8 +35,8 @@ def loaded(repo: Repository, ckpt_id: str) -> dict[bytes, bytes]:
 def test_a_hostile_worker_cannot_poison_another_domains_checkpoint(workers, short_tmp: Path) -> None:  # type: ignore[no-untyped-def]
     a, b = workers
     repo = Repository.open(str(short_tmp / "repo"), create=True)
-    ma = driver.checkpoint(str(a.sock), repo, "wa", where=driver.Staging(a.stage))
-    mb = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    ma = session.checkpoint(str(a.sock), repo, "wa", where=Staging(a.stage)).manifest
+    mb = session.checkpoint(str(b.sock), repo, "wb", where=Staging(b.stage)).manifest
     assert mb.sizes.new_blocks == mb.sizes.blocks, "B deduplicated by key against A's bytes"
     got_a, got_b = loaded(repo, ma.id), loaded(repo, mb.id)
     assert got_a.keys() == got_b.keys()
@@ -43,22 +44,22 @@ def test_a_hostile_worker_cannot_poison_another_domains_checkpoint(workers, shor
     assert ma.namespace["trust_domain"] == "wa"
     assert mb.namespace["trust_domain"] == "wb"
     # B's second checkpoint deduplicates against its own first
-    mb2 = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    mb2 = session.checkpoint(str(b.sock), repo, "wb", where=Staging(b.stage)).manifest
     assert mb2.sizes.new_blocks == 0
     # a restore into B of A's checkpoint is refused by name (a cold plan, never A's bytes)
-    desc = driver.describe(str(b.sock))
-    d = driver.restore_decision(repo.manifest(ma.id), desc, trust_domain="wb")
+    desc = session.describe(str(b.sock))
+    d = session.restore_decision(repo.manifest(ma.id), desc, trust_domain="wb")
     assert not d.warm
     assert any("trust domain: checkpoint 'wa' != this worker's 'wb'" in r for r in d.reasons)
-    assert driver.restore_decision(repo.manifest(mb.id), desc, trust_domain="wb").warm
+    assert session.restore_decision(repo.manifest(mb.id), desc, trust_domain="wb").warm
 
 
 def test_workers_put_in_one_domain_share_blocks_by_key(workers, short_tmp: Path) -> None:  # type: ignore[no-untyped-def]
     a, b = workers
     a.poison = 0  # trusted workers: the same KV for the same keys
     repo = Repository.open(str(short_tmp / "repo"), create=True)
-    driver.checkpoint(str(a.sock), repo, "wa", where=driver.Staging(a.stage), trust_domain="fleet")
-    mb = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage), trust_domain="fleet")
+    session.checkpoint(str(a.sock), repo, "wa", where=Staging(a.stage), trust_domain="fleet")
+    mb = session.checkpoint(str(b.sock), repo, "wb", where=Staging(b.stage), trust_domain="fleet").manifest
     assert mb.sizes.new_blocks == 0, "one domain stores a shared prefix once"
 
 
@@ -74,8 +75,8 @@ def test_across_domains_true_bytes_are_stored_once_and_chosen_bytes_never_shared
     a, b = workers
     repo = Repository.open(str(short_tmp / "repo"), key=Keyring(os.urandom(32)), create=True)
     a.poison = 0
-    ma = driver.checkpoint(str(a.sock), repo, "wa", where=driver.Staging(a.stage))
-    mb = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    ma = session.checkpoint(str(a.sock), repo, "wa", where=Staging(a.stage)).manifest
+    mb = session.checkpoint(str(b.sock), repo, "wb", where=Staging(b.stage)).manifest
     assert ma.sizes.new_blocks == ma.sizes.blocks
     assert mb.sizes.new_blocks == 0, "a shared prefix with the same bytes is stored once across domains"
     assert mb.sizes.packs_written == 0
@@ -84,12 +85,12 @@ def test_across_domains_true_bytes_are_stored_once_and_chosen_bytes_never_shared
     c = FakeConnector(short_tmp / "c.sock", short_tmp / "stage-c")
     c.poison = 0x33
     try:
-        mc = driver.checkpoint(str(c.sock), repo, "wc", where=driver.Staging(c.stage))
+        mc = session.checkpoint(str(c.sock), repo, "wc", where=Staging(c.stage)).manifest
     finally:
         c.close()
     assert mc.sizes.new_blocks == mc.sizes.blocks
     b.generation = 1  # B's next checkpoint: one page changed, the rest its own
-    mb2 = driver.checkpoint(str(b.sock), repo, "wb", where=driver.Staging(b.stage))
+    mb2 = session.checkpoint(str(b.sock), repo, "wb", where=Staging(b.stage)).manifest
     got_b, got_c = loaded(repo, mb2.id), loaded(repo, mc.id)
     assert all(got_b[k] != got_c[k] for k in got_b if k in got_c), "B loads C's chosen bytes"
     assert repo.verify().ok

@@ -4,7 +4,7 @@
 method   path                        answer
 =======  ==========================  ===========================================
 GET      /health                     ``{"ok", "state", "worker_attached"}``
-GET      /status                     :meth:`Agent.status`
+GET      /status                     the agent's status (:meth:`agent.daemon.agent.Agent.status`)
 POST     /checkpoint                 body ``{"trigger": "request"|"drain"}`` (optional);
                                      ``202`` with the ticket (joined or new)
 GET      /checkpoint/<ticket>        the ticket: state, progress, checkpoint id or error
@@ -53,29 +53,77 @@ import logging
 import os
 import socket
 import socketserver
+import stat
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-import httpx
-
+from agent import fs, session
+from agent.daemon.client import AgentApiError, AgentClient
+from agent.daemon.config import AgentConfig
+from agent.engines.base import Engine
 from agent.slots import Conn, Slots
-from ckpt.errors import GpuckptError
+from ckpt import CheckpointNotFound, EngineError, Manifest, Policy, Repository
 
-if TYPE_CHECKING:
-    from agent.daemon.agent import Agent
-    from ckpt.manifest import Manifest
+__all__ = [
+    # the CLI's client, for importers written before agent.daemon.client
+    "AgentApiError",
+    "AgentClient",
+    "AgentPort",
+    "ApiError",
+    "JsonView",
+    "ApiServer",
+    "route",
+]
 
 log = logging.getLogger("gpuckpt.agent.api")
 MAX_BODY = 64 << 10
 MAX_THREADS = 32
 REQUEST_TIMEOUT = 10.0
 WRITE_TIMEOUT = 30.0
+
+
+class JsonView(Protocol):
+    """Something the API serves as JSON: a checkpoint ticket, the restore report."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+class AgentPort(Protocol):
+    """What the API reads and asks of the agent (:class:`agent.daemon.agent.Agent` is one); each
+    route uses only its own part, so a stand-in need have only what its routes read."""
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def worker(self) -> Mapping[str, Any]: ...
+
+    @property
+    def cfg(self) -> AgentConfig: ...
+
+    @property
+    def repo(self) -> Repository | None: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def restore_report(self) -> JsonView | None: ...
+
+    def healthy(self) -> bool: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def request_checkpoint(self, trigger: str) -> JsonView: ...
+
+    def ticket(self, ticket_id: int) -> JsonView | None: ...
 
 
 class _Slot(Conn):
@@ -102,7 +150,7 @@ class _Server(socketserver.UnixStreamServer):
 
     allow_reuse_address = False
     request_queue_size = 64  # the kernel's accept backlog
-    agent: Agent
+    agent: AgentPort
 
     def __init__(self, path: str, *, max_threads: int, request_timeout: float) -> None:
         self.max_threads = max_threads
@@ -360,7 +408,7 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def route(agent: Agent, method: str, path: str, query: dict[str, list[str]], body: Any) -> tuple[HTTPStatus, Any]:
+def route(agent: AgentPort, method: str, path: str, query: dict[str, list[str]], body: Any) -> tuple[HTTPStatus, Any]:
     """The API's routing table (pure: testable without a socket)."""
     path = path.rstrip("/") or "/"
     if method == "GET" and path == "/health":
@@ -377,7 +425,7 @@ def route(agent: Agent, method: str, path: str, query: dict[str, list[str]], bod
         if trigger not in ("request", "drain"):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"trigger must be 'request' or 'drain', not {trigger!r}")
         t = agent.request_checkpoint(trigger)
-        return HTTPStatus.ACCEPTED, t.view()
+        return HTTPStatus.ACCEPTED, t.to_json()
     if method == "GET" and path.startswith("/checkpoint/"):
         tid = path.rsplit("/", 1)[1]
         if not (tid.isascii() and tid.isdigit()):  # "²".isdigit() is true, int("²") is not
@@ -385,36 +433,33 @@ def route(agent: Agent, method: str, path: str, query: dict[str, list[str]], bod
         found = agent.ticket(int(tid))
         if found is None:
             raise ApiError(HTTPStatus.NOT_FOUND, f"no checkpoint ticket {tid}")
-        return HTTPStatus.OK, found.view()
+        return HTTPStatus.OK, found.to_json()
     if method == "GET" and path == "/checkpoints":
         assert agent.repo is not None
         infos = agent.repo.list(agent.cfg.worker_id)
         return HTTPStatus.OK, [{"id": i.id, "worker_id": i.worker_id} for i in infos]
     if method == "GET" and path == "/restore":
-        return HTTPStatus.OK, agent.restore_report or {"outcome": None}
+        report = agent.restore_report
+        return HTTPStatus.OK, report.to_json() if report is not None else {"outcome": None}
     if method == "GET" and path == "/restore/plan":
         return HTTPStatus.OK, restore_plan(agent, (query.get("checkpoint") or ["latest"])[0])
     raise ApiError(HTTPStatus.NOT_FOUND, f"no such endpoint: {method} {path}")
 
 
-def restore_plan(agent: Agent, ref: str) -> dict[str, Any]:
+def restore_plan(agent: AgentPort, ref: str) -> dict[str, Any]:
     """The restore decision for checkpoint ``ref`` against this host and the attached worker
-    (:meth:`agent.engines.base.Engine.plan`, serialized as the CLI's ``restore --dry-run`` does)."""
-    from ckpt import EngineError, Policy
-
+    (:func:`agent.session.plan`, serialized as the CLI's ``restore --dry-run`` does)."""
     m = _own_manifest(agent, ref)
     try:
-        return agent.engine.plan(m, Policy.from_strings(ignore=agent.cfg.restore.ignore_rules)).to_json()
+        return session.plan(agent.engine, m, Policy.from_strings(ignore=agent.cfg.restore.ignore_rules)).to_json()
     except (OSError, EngineError) as exc:
         return {"checkpoint": m.id, "warm": False, "reasons": [f"worker not reachable: {exc}"], "results": []}
 
 
-def _own_manifest(agent: Agent, ref: str) -> Manifest:
+def _own_manifest(agent: AgentPort, ref: str) -> Manifest:
     """Checkpoint ``ref`` (``latest``, an id or unique id prefix, ``W:latest`` or ``W/ID``)
     among this agent's worker's checkpoints only: whoever may use the socket must not
     read other workers' pins through it."""
-    from ckpt import CheckpointNotFound
-
     assert agent.repo is not None
     wid = agent.cfg.worker_id
     try:
@@ -439,7 +484,7 @@ class ApiServer:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: AgentPort,
         path: Path,
         *,
         mode: int = 0o660,
@@ -457,8 +502,6 @@ class ApiServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        from agent import fs
-
         # made, or adopted only when no untrusted account could write to it (as every other directory)
         fs.ensure_socket_dir(self.path.parent)
         if self.path.exists() or self.path.is_symlink():
@@ -490,8 +533,6 @@ class ApiServer:
 
 def _is_stale_socket(path: Path) -> bool:
     """True for a socket nobody listens on (left by a killed agent)."""
-    import stat
-
     st = os.lstat(path)
     if not stat.S_ISSOCK(st.st_mode):
         return False
@@ -505,43 +546,3 @@ def _is_stale_socket(path: Path) -> bool:
     finally:
         s.close()
     return False
-
-
-class AgentClient:
-    """The CLI's side of the API."""
-
-    def __init__(self, path: str | os.PathLike[str], timeout: float = 30.0) -> None:
-        self.path = str(path)
-        # retries: a connect refused because the accept backlog is full (EAGAIN, under a flood
-        # of connections) is tried again at once and after 0.5 s before it is an error.
-        self._http = httpx.Client(
-            transport=httpx.HTTPTransport(uds=self.path, retries=2), base_url="http://agent", timeout=timeout
-        )
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> AgentClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        try:
-            r = self._http.request(method, path, json=body)
-        except httpx.TransportError as exc:
-            raise ConnectionError(f"no agent answering on {self.path}: {exc}") from None
-        data = r.json()
-        if r.status_code >= 400:
-            err = data.get("error", {}) if isinstance(data, dict) else {}
-            raise AgentApiError(r.status_code, str(err.get("message", r.text)))
-        return data
-
-
-class AgentApiError(GpuckptError):
-    """The agent answered an error status (the message carries its answer)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"agent answered {status}: {message}")
-        self.status = status

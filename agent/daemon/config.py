@@ -46,6 +46,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from agent.engines import registry
 from ckpt.errors import ConfigError
 
 ENV_PREFIX = "GPUCKPT_AGENT__"
@@ -192,8 +193,10 @@ class AgentConfig(BaseSettings):
     )
     repository: str
     key: str | None = Field(None, description="key source: file:/path or env:NAME")
-    engine: Literal["vllm", "sglang"] = Field(
-        "vllm", description="the worker's serving engine: how its adapter is reached and its requests resubmitted"
+    engine: str = Field(
+        "vllm",
+        description="the worker's serving engine (one of agent/engines/registry.py's): how its adapter is reached "
+        "and its requests resubmitted",
     )
     connector_socket: Path = Field(
         description="the control socket of the worker's gpuckpt adapter (vLLM's connector, SGLang's cache linker)"
@@ -221,6 +224,13 @@ class AgentConfig(BaseSettings):
     def _key_source(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("file:", "env:")):
             raise ValueError("must be a key source, 'file:/path' or 'env:NAME' (the value is not shown)")
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        if v not in registry.ENGINES:
+            raise ValueError(f"unknown engine {v!r}; one of {', '.join(registry.names())}")
         return v
 
     @field_validator("metrics_address")

@@ -12,6 +12,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from agent.engines.types import CheckpointStats
+from ckpt.manifest import Sizes
+
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -70,10 +73,13 @@ class Metrics:
     def _age(self) -> float:
         return float("nan") if self._last_good is None else time.time() - self._last_good
 
-    def checkpoint_done(self, trigger: str, stats: dict[str, Any], sizes: Any) -> None:
+    def checkpoint_done(self, trigger: str, *, seconds: float, stats: CheckpointStats, sizes: Sizes) -> None:
+        """A checkpoint of ``trigger`` saved in ``seconds`` (its capture's pause and staging in ``stats``)."""
         self.checkpoints.labels(trigger=trigger, outcome="ok").inc()
-        self.checkpoint_seconds.observe(stats.get("total_s", 0.0))
+        self.checkpoint_seconds.observe(seconds)
         self.pause_seconds.observe(stats.get("copy_s", 0.0))
+        if stats.get("staged_peak_bytes") is not None:
+            self.staging_peak.set(float(stats["staged_peak_bytes"]))
         self.bytes_written.inc(sizes.new_stored_bytes)
         self.bytes_deduplicated.inc(max(0, sizes.raw_bytes - sizes.new_raw_bytes))
         if sizes.stored_bytes:

@@ -3,20 +3,19 @@
 A checkpoint's ledger is written by one engine's adapter and read by the
 agent (restore, replay) and by the CLI (``show``). Its layout is that
 engine's business: each engine package has a ledger module (no engine
-import: the agent reads it) with the functions of :class:`LedgerFormat`.
+import: the agent reads it) with the functions of :class:`LedgerFormat`,
+listed with its schema in :mod:`agent.engines.registry`.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Any, Protocol, cast
 
-from agent.engines.base import Resubmission
+from agent.engines.registry import ledger_module
+from agent.engines.types import Resubmission
 from ckpt import Ledger
-from ckpt.errors import FormatError
 
-__all__ = ["FORMATS", "LedgerFormat", "format_of", "request_count"]
+__all__ = ["LedgerFormat", "format_of", "request_count"]
 
 
 class LedgerFormat(Protocol):
@@ -37,21 +36,10 @@ class LedgerFormat(Protocol):
     def count(self, ledger: Ledger | dict[str, Any]) -> int: ...
 
 
-#: ledger schema → the module that reads it
-FORMATS: dict[str, str] = {
-    "gpuckpt-vllm-ledger": "agent.engines.vllm.ledger",
-    "gpuckpt-sglang-ledger": "agent.engines.sglang.ledger",
-}
-
-
 def format_of(ledger: Ledger | dict[str, Any]) -> LedgerFormat:
     """The reader of ``ledger``'s schema, or :class:`ckpt.FormatError` naming the schema."""
     schema = ledger.schema_ if isinstance(ledger, Ledger) else ledger.get("schema")
-    name = FORMATS.get(str(schema))
-    if name is None:
-        raise FormatError(f"ledger schema {schema!r} is not one this gpuckpt reads ({', '.join(sorted(FORMATS))})")
-    module: ModuleType = importlib.import_module(name)
-    return cast(LedgerFormat, module)
+    return cast(LedgerFormat, ledger_module(schema))
 
 
 def request_count(ledger: Ledger | None) -> int:

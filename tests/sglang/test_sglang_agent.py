@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from agent.engines import driver
+from agent import session
 from agent.engines.base import token_digest
 from ckpt import Repository
 from tests.sglang.conftest import Start
@@ -72,7 +72,7 @@ def e2e(start_server: Start) -> dict[str, Any]:
                 t.start()
 
         # registered before the requests exist: a busy host cannot let them pass unseen
-        driver.wait_around(a.control_socket, start, live=len(prompts), min_outputs=10)
+        session.wait_around(a.control_socket, start, live=len(prompts), min_outputs=10)
         agent.send_signal(signal.SIGTERM)
         out["agent_a_exit"] = agent.wait(120)
     finally:

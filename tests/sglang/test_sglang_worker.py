@@ -1,6 +1,6 @@
 """An SGLang server checkpointed mid-decode through gpuckpt's linker, SIGKILLed, and restored.
 
-Real SGLang 0.5.23 (CPU) with a tiny random-weight Llama, driven by :mod:`agent.engines.driver`
+Real SGLang 0.5.23 (CPU) with a tiny random-weight Llama, driven by :mod:`agent.session`
 exactly as a vLLM worker is. Three servers in all: A (checkpointed, then SIGKILLed), B (the warm
 restore, then the restore of a corrupted copy) and C (``--page-size 32``: refused, replayed cold).
 Every comparison is against the uninterrupted run of the same requests on A.
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.engines import driver
+from agent import session
 from agent.engines.sglang.serve import Completion, SglangProcess
 from ckpt import Repository
 from tests.sglang.conftest import Start
@@ -66,10 +66,10 @@ def checkpointed(start_server: Start, tmp_path_factory: pytest.TempPathFactory) 
             t.start()
             threads.append(t)
 
-    stats: dict[str, Any] = {}
-    m = driver.checkpoint_around(
-        a.control_socket, start, repo, "sglang-a", when=WHEN, timeout=300, generate=a.client.generate, stats=stats
+    done = session.checkpoint_around(
+        a.control_socket, start, repo, "sglang-a", when=WHEN, timeout=300, generate=a.client.generate
     )
+    m, stats = done.manifest, done.stats
     for t in threads:
         t.join(300)
     a.kill()
@@ -114,7 +114,7 @@ def test_checkpoint_is_mid_decode(checkpointed: dict[str, Any]) -> None:
 def test_warm_restore_continues_exactly(checkpointed: dict[str, Any], server_b: SglangProcess) -> None:
     repo = Repository.open(str(checkpointed["repo_path"]))
     m = checkpointed["manifest"]
-    plan = driver.restore(repo, m.id, server_b.control_socket, generate=server_b.client.generate, wait=True)
+    plan = session.restore(repo, m.id, server_b.control_socket, generate=server_b.client.generate, wait=True)
     assert plan.warm, plan.reasons
     assert plan.stats["canary"]["match"]
     results = server_b.client.submit(plan.requests)
@@ -123,13 +123,13 @@ def test_warm_restore_continues_exactly(checkpointed: dict[str, Any], server_b: 
         cached = results[r.request_id].cached_tokens
         assert cached is not None, r.request_id
         assert cached >= len(r.token_ids) - PAGE, (r.request_id, cached, len(r.token_ids))
-    loaded = driver.stats(server_b.control_socket)["restored_tokens"]
+    loaded = session.stats(server_b.control_socket)["restored_tokens"]
     assert all(loaded.get(r.request_id, 0) > 0 for r in plan.requests), loaded
     # the finished turn's next turn: its prefix from the restored cache, the same tokens
     turn2 = server_b.client.complete(checkpointed["turn2_prompt"], {**GREEDY, "max_new_tokens": 10}, rid="turn-2")
     assert turn2.token_ids == checkpointed["turn2_ref"]
-    assert driver.stats(server_b.control_socket)["restored_tokens"].get("turn-2", 0) >= len(TURN1) // PAGE * PAGE
-    assert driver.withdraw(server_b.control_socket) >= 1
+    assert session.stats(server_b.control_socket)["restored_tokens"].get("turn-2", 0) >= len(TURN1) // PAGE * PAGE
+    assert session.withdraw(server_b.control_socket) >= 1
 
 
 def test_corrupted_pages_are_not_offered(checkpointed: dict[str, Any], server_b: SglangProcess, tmp_path: Path) -> None:
@@ -138,17 +138,17 @@ def test_corrupted_pages_are_not_offered(checkpointed: dict[str, Any], server_b:
     m = checkpointed["manifest"]
     hit = corrupt_blocks(bad, m.id, 2)
     assert hit > 0
-    driver.withdraw(server_b.control_socket)
+    session.withdraw(server_b.control_socket)
     httpx.post(server_b.url + "/flush_cache", timeout=30).raise_for_status()  # the first restore's pages go
-    before = dict(driver.stats(server_b.control_socket)["restored_tokens"])
-    plan = driver.restore(Repository.open(str(bad)), m.id, server_b.control_socket, require_canary=False, wait=True)
+    before = dict(session.stats(server_b.control_socket)["restored_tokens"])
+    plan = session.restore(Repository.open(str(bad)), m.id, server_b.control_socket, require_canary=False, wait=True)
     assert plan.warm, plan.reasons
     totals = plan.totals()
     assert totals["failed_blocks"] == hit, totals
     assert plan.offered_total == len(m.blocks) - hit
     results = server_b.client.submit(plan.requests)
     _check_exact(checkpointed, plan, results)
-    after = driver.stats(server_b.control_socket)["restored_tokens"]
+    after = session.stats(server_b.control_socket)["restored_tokens"]
     # some request lost a page to the corruption: it got less from the linker than it needed
     short = [
         r
@@ -156,7 +156,7 @@ def test_corrupted_pages_are_not_offered(checkpointed: dict[str, Any], server_b:
         if after.get(r.request_id, 0) - before.get(r.request_id, 0) < (len(r.token_ids) - 1) // PAGE * PAGE
     ]
     assert short, after
-    driver.withdraw(server_b.control_socket)
+    session.withdraw(server_b.control_socket)
 
 
 def test_page_size_mismatch_replays_cold(
@@ -165,9 +165,9 @@ def test_page_size_mismatch_replays_cold(
     server_b.kill()  # two servers at once would crowd this machine
     c = start_server("c", page_size=32)
     repo = Repository.open(str(checkpointed["repo_path"]))
-    plan = driver.restore(repo, checkpointed["manifest"].id, c.control_socket, generate=c.client.generate)
+    plan = session.restore(repo, checkpointed["manifest"].id, c.control_socket, generate=c.client.generate)
     assert not plan.warm
     assert any("block_size" in why or "page" in why for why in plan.reasons), plan.reasons
     results = c.client.submit(plan.requests)
     _check_exact(checkpointed, plan, results)
-    assert driver.stats(c.control_socket)["restored_tokens"] == {}
+    assert session.stats(c.control_socket)["restored_tokens"] == {}

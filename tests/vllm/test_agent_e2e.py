@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines import driver, staging
+from agent import session
+from agent.engines import staging
 from agent.engines.base import token_digest
 from agent.engines.sglang.serve import SglangProcess
 from agent.engines.vllm.serve import ServeProcess
@@ -164,7 +165,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
                     t.start()
 
             # registered before the requests exist: a busy host cannot let them pass unseen
-            driver.wait_around(a.control_socket, start, live=3, min_outputs=30)
+            session.wait_around(a.control_socket, start, live=3, min_outputs=30)
             agent.send_signal(signal.SIGTERM)
             out["agent_a_exit"] = agent.wait(90)
         finally:
@@ -195,7 +196,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
 
             with AgentClient(api) as c:
                 out["restore_b"] = c.request("GET", "/restore")
-            stage = staging.default_dir(f"{driver.RESTORE_TAG}{agent.pid}")
+            stage = staging.default_dir(f"{session.RESTORE_TAG}{agent.pid}")
             out["restore_stage_exists"] = stage.is_dir()  # its page file may be gone already: 20 s is short
             end = time.monotonic() + 120  # the offer's 20 s, then the next step boundary
             while stage.is_dir() and any(stage.iterdir()) and time.monotonic() < end:

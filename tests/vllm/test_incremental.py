@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines import canary, driver
+from agent import session
+from agent.engines import canary
 from ckpt import Repository
 from tests.vllm.test_serve import serve_worker
 
@@ -48,26 +49,26 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         a.wait_ready()
         probe = canary.record(a.client.generate)
         turn1 = {k: a.client.complete(convs[k], TURN, stream=False) for k in list(convs)[:8]}
-        out["s1"] = {}
-        out["m1"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, stats=out["s1"])
+        done = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
+        out["m1"], out["s1"] = done.manifest, done.stats
         # about 10 % new KV: one more conversation
         turn1["c8"] = a.client.complete(convs["c8"], TURN, stream=False)
-        out["s2"] = {}
-        out["m2"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, stats=out["s2"])
+        done = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
+        out["m2"], out["s2"] = done.manifest, done.stats
         out["loads"] = {"m1": loads_whole(repo, out["m1"]), "m2": loads_whole(repo, out["m2"])}
         # keys the connector holds for durable, gone from the repository
         for info in repo.list():
             repo.delete(info.id)
         repo.gc(now=True, grace=timedelta(0))
-        out["s3"] = {}
-        out["m3"] = driver.checkpoint(a.control_socket, repo, "w0", canary=probe, stats=out["s3"])
+        done = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
+        out["m3"], out["s3"] = done.manifest, done.stats
         out["loads"]["m3"] = loads_whole(repo, out["m3"])
         nxt = {k: convs[k] + turn1[k].token_ids + toks(16) for k in ("c0", "c8")}
         out["reference"] = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in nxt.items()}
         a.kill()
     with serve_worker(tiny_llama, tmp, "b") as b:
         b.wait_ready()
-        out["plan"] = driver.restore(
+        out["plan"] = session.restore(
             repo,
             out["m3"].id,
             b.control_socket,
@@ -78,8 +79,8 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         out["resumed"] = {k: b.client.complete(p, TURN, stream=False) for k, p in nxt.items()}
         out["prompts"] = nxt
         # the restore's offered keys are durable: the restored worker's first checkpoint copies little
-        out["s4"] = {}
-        out["m4"] = driver.checkpoint(b.control_socket, repo, "w0", canary=probe, stats=out["s4"])
+        done = session.checkpoint(b.control_socket, repo, "w0", canary=probe)
+        out["m4"], out["s4"] = done.manifest, done.stats
         out["loads"]["m4"] = loads_whole(repo, out["m4"])
     return out
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines import driver
+from agent import session
 from agent.engines.base import token_digest
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
@@ -231,7 +231,7 @@ gc_interval = "1h"
                 for t in threads:
                     t.start()
 
-            driver.wait_around(a.control_socket, start, live=2, min_outputs=30)
+            session.wait_around(a.control_socket, start, live=2, min_outputs=30)
             out["stage_stat"] = os.stat(stage)
             out["socket_stat"] = os.stat(a.control_socket)
             r = cli("checkpoint", "--agent", str(api), "--wait", "--json")

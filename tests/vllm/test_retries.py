@@ -34,7 +34,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.engines import canary, control, driver
+from agent import session
+from agent.engines import canary, control
 from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
 from agent.engines.vllm.serve import ServeProcess
 from ckpt import Repository
@@ -243,14 +244,15 @@ def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
         threads = [threading.Thread(target=run, args=(k,)) for k in reqs]
         live = sum(n for _, _, n in reqs.values())
-        driver.hold(a.control_socket, live, timeout=300)
+        session.hold(a.control_socket, live, timeout=300)
 
         def start() -> None:
             for t in threads:
                 t.start()
 
         when = {"live": live, "min_outputs": 40}
-        m = driver.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
+        done = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
+        m = done.manifest
         for t in threads:
             t.join(600)
         assert not errors, errors
@@ -258,7 +260,7 @@ def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         a.kill()
     with worker(model, tmp, "b") as b:
         b.wait_ready()
-        plan = driver.restore(
+        plan = session.restore(
             repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate
         )
         out["plan"] = plan
@@ -308,7 +310,7 @@ def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         endpoint, body, _ = reqs["greedy"]
         out["other_body"] = call(b.url, "greedy", endpoint, {**body, "max_tokens": 8, "stream": False})
         out["other_tenant"] = call(b.url, "greedy", endpoint, {**body, "stream": False}, key="k2")
-        out["connector"] = driver.stats(b.control_socket)
+        out["connector"] = session.stats(b.control_socket)
         out["metrics"] = httpx.get(f"{b.url}/metrics", timeout=30).text
     return out
 
@@ -455,10 +457,10 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
             for t in threads:
                 t.start()
 
-        driver.hold(str(sock_a), live, timeout=300)
+        session.hold(str(sock_a), live, timeout=300)
         when = {"live": live, "min_outputs": 40}
         r = Repository.open(str(repo))
-        m = driver.checkpoint_around(str(sock_a), start, r, "w1", canary=probe, when=when, timeout=300)
+        m = session.checkpoint_around(str(sock_a), start, r, "w1", canary=probe, when=when, timeout=300).manifest
         for t in threads:
             t.join(600)
         assert not errors, errors

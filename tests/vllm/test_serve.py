@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines import canary, driver
+from agent import session
+from agent.engines import canary
 from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
 from ckpt import Repository
 
@@ -97,7 +98,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
         threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
         # All four start at one step boundary, however late the API server hands one over.
-        driver.hold(a.control_socket, len(prompts), timeout=300)
+        session.hold(a.control_socket, len(prompts), timeout=300)
 
         def start() -> None:
             for t in threads:
@@ -108,7 +109,8 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         # before the requests are sent, and is taken at the first step boundary
         # where every request has 40 outputs, as the engine's scheduler judges it.
         when = {"live": len(prompts), "min_outputs": 40}
-        m = driver.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=240)
+        done = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=240)
+        m = done.manifest
         for t in threads:
             t.join(300)
         assert not errors, errors
@@ -117,25 +119,25 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         a.kill()  # SIGKILL to the whole group, as a preemption would
     with worker("b") as b:
         b.wait_ready()
-        plan = driver.restore(
+        plan = session.restore(
             repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate
         )
         out["plan"] = plan
         out["resumed"] = b.client.submit(plan.requests)
         out["rest_arrived"] = plan.wait_offered(120)  # every part offered: the files to withdraw are known
-        out["connector"] = driver.stats(b.control_socket)
+        out["connector"] = session.stats(b.control_socket)
 
         def restore_files() -> list[str]:  # the restore's page files (the worker's report file is not KV)
             return sorted(p.name for p in (tmp / "stage-b").glob("restore-*"))
 
         out["stage_b_offered"] = restore_files()
-        out["withdrawn_files"] = driver.withdraw(b.control_socket)
+        out["withdrawn_files"] = session.withdraw(b.control_socket)
         # deleted at the next step boundary, which the withdraw makes the idle engine take
         end = time.monotonic() + 60
         while restore_files() and time.monotonic() < end:
             time.sleep(0.05)
         out["stage_b_after"] = restore_files()
-        out["connector_after"] = driver.stats(b.control_socket)
+        out["connector_after"] = session.stats(b.control_socket)
     return out
 
 

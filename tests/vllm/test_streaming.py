@@ -26,6 +26,7 @@ they come next. No restore page file outlives a withdraw.
 
 from __future__ import annotations
 
+import importlib
 import random
 import threading
 import time
@@ -33,11 +34,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines import canary, control, driver
+from agent import session
+from agent.engines import canary, control
 from ckpt import Repository
 from tests.vllm.test_serve import GREEDY, serve_worker
 
 pytestmark = pytest.mark.slow
+restore_mod = importlib.import_module("agent.session.restore")  # its privates are patched below
+restore_rest = importlib.import_module("agent.session.restore_rest")
 TURN = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 
 
@@ -72,7 +76,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         a.wait_ready()
         probe = canary.record(a.client.generate)
         turn1 = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in convs.items()}
-        layout = driver.describe(a.control_socket).layout
+        layout = session.describe(a.control_socket).layout
         page = page_bytes(layout)
         out["block_size"] = layout["block_size"]
         bound = 18 * page  # chunks of 3 pages: the cache is ~100 pages
@@ -86,7 +90,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             )
             for k in live
         ]
-        driver.hold(a.control_socket, len(live), timeout=300)
+        session.hold(a.control_socket, len(live), timeout=300)
         peak = [0]
         done = threading.Event()
 
@@ -103,8 +107,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             for t in threads:
                 t.start()
 
-        out["stats"] = {}
-        m = driver.checkpoint_around(
+        done = session.checkpoint_around(
             a.control_socket,
             start,
             repo,
@@ -113,8 +116,8 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             when={"live": len(live), "min_outputs": 40},
             timeout=240,
             max_staging=bound,
-            stats=out["stats"],
         )
+        m, out["stats"] = done.manifest, done.stats
         done.set()
         sampler.join()
         out["sampled_peak"] = peak[0]
@@ -142,17 +145,17 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             gate = threading.Event()
             if late:
                 # the in-flight requests' pages at the back of the stream, after the whole prefix cache
-                mp.setattr(driver, "_first_keys", lambda sock, m: ([], _canary_keys(sock, m)))
+                mp.setattr(restore_mod, "_first_keys", lambda channel, m: ([], _canary_keys(channel, m)))
             if each:
                 # every part after the first waits until the resubmitted requests are in the worker
-                offer = driver._offer_file
+                offer = restore_rest._offer_file
 
                 def gated(*a, **kw):  # type: ignore[no-untyped-def]
                     assert gate.wait(300)
                     return offer(*a, **kw)
 
-                mp.setattr(driver, "_offer_file", gated)
-            plan = driver.restore(
+                mp.setattr(restore_rest, "_offer_file", gated)
+            plan = session.restore(
                 repo,
                 m.id,
                 w.control_socket,
@@ -166,8 +169,8 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             submit = threading.Thread(target=lambda: got.update(w.client.submit(plan.requests)))
             submit.start()
             if each:
-                driver.wait_until(w.control_socket, live=len(plan.requests), timeout=120)
-                res["awaiting"] = driver.stats(w.control_socket)["awaiting"]
+                session.wait_until(w.control_socket, live=len(plan.requests), timeout=120)
+                res["awaiting"] = session.stats(w.control_socket)["awaiting"]
                 gate.set()
             submit.join(300)
             res["resumed"] = got
@@ -176,7 +179,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             res["offered_total"] = plan.offered_total
             res["rest"] = dict(plan.rest.stats) if plan.rest is not None else {}
             res["next"] = w.client.complete(out["next_prompt"], TURN, stream=False)
-            driver.withdraw(w.control_socket)
+            session.withdraw(w.control_socket)
             end = time.monotonic() + 60
             while list(stage.glob("restore-*")) and time.monotonic() < end:
                 time.sleep(0.05)
@@ -185,8 +188,8 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                 # again, with the requests' pages never coming (until the requests are done): held
                 # requests go on without them after the offer's await_s, and still continue exactly
                 gate.clear()
-                mp.setattr(driver, "AWAIT_S", 2.0)
-                plan = driver.restore(
+                mp.setattr(restore_mod, "AWAIT_S", 2.0)
+                plan = session.restore(
                     repo, m.id, w.control_socket, staging_dir=str(stage), generate=w.client.generate, release="each"
                 )
                 got = {}
@@ -194,17 +197,17 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                 submit.start()
                 submit.join(240)
                 res["stalled_done"] = not submit.is_alive()
-                res["stalled_awaiting"] = driver.stats(w.control_socket)["awaiting"]
+                res["stalled_awaiting"] = session.stats(w.control_socket)["awaiting"]
                 gate.set()
                 submit.join(60)
                 res["stalled"] = (plan, got)
                 assert plan.wait_offered(120)
-                driver.withdraw(w.control_socket)
+                session.withdraw(w.control_socket)
         return res
 
-    def _canary_keys(sock: str, m) -> list[bytes]:  # type: ignore[no-untyped-def]
+    def _canary_keys(channel, m) -> list[bytes]:  # type: ignore[no-untyped-def]
         toks_ = list(m.canary["prompt_token_ids"]) + list(m.canary["expected"])
-        got = control.call(sock, "keys", requests=[{"token_ids": toks_, "kv_tokens": len(toks_) - 1}])["keys"][0]
+        got = channel.keys([{"token_ids": toks_, "kv_tokens": len(toks_) - 1}]).keys[0]
         have = {b.key for b in m.blocks}
         return [bytes.fromhex(k) for k in got if k in have]
 
@@ -216,18 +219,18 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         mine = [bytes.fromhex(k) for k in out["conv_keys"][3]]
         with serve_worker(tiny_llama, tmp, name) as w, pytest.MonkeyPatch.context() as mp:
             w.wait_ready()
-            mp.setattr(driver, "RESTORE_CHUNK_BYTES", 4 * out["page"])
-            mp.setattr(driver, "WANT_S", 120.0)  # what the test checks is the order, not a race with the wait
-            rest_cls = driver._RestoreRest
+            mp.setattr(restore_rest, "RESTORE_CHUNK_BYTES", 4 * out["page"])
+            mp.setattr(restore_rest, "WANT_S", 120.0)  # what the test checks is the order, not a race with the wait
+            rest_cls = restore_rest.RestoreRest
 
             class Last(rest_cls):  # type: ignore[misc, valid-type]
                 def __init__(self, repo, m, sock, waiting, keys, *a, **kw):  # type: ignore[no-untyped-def]
                     keys = [k for k in keys if k not in mine] + [k for k in keys if k in mine]
                     super().__init__(repo, m, sock, waiting, keys, *a, **kw)
 
-            mp.setattr(driver, "_RestoreRest", Last)
+            mp.setattr(restore_rest, "RestoreRest", Last)
             gate, parts = threading.Event(), []
-            offer = driver._offer_file
+            offer = restore_rest._offer_file
 
             def gated(sock, w_, generation, ready=None, **kw):  # type: ignore[no-untyped-def]
                 if w_ is not None and not ready:  # a part of the prefix cache
@@ -235,18 +238,18 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                     parts.append(set(w_.keys))
                 return offer(sock, w_, generation, ready, **kw)
 
-            mp.setattr(driver, "_offer_file", gated)
-            plan = driver.restore(repo, m.id, w.control_socket, generate=w.client.generate)
+            mp.setattr(restore_rest, "_offer_file", gated)
+            plan = session.restore(repo, m.id, w.control_socket, generate=w.client.generate)
             end = time.monotonic() + 120
-            while not driver.stats(w.control_socket)["coming"] and time.monotonic() < end:
+            while not session.stats(w.control_socket)["coming"] and time.monotonic() < end:
                 time.sleep(0.05)  # the worker knows what the rest brings (sent behind the in-flight pages)
             got: dict = {}
             turn = threading.Thread(target=lambda: got.update(next=w.client.complete(nxt, TURN, stream=False)))
             turn.start()
             end = time.monotonic() + 120
-            while driver.stats(w.control_socket)["asked"] < 1 and time.monotonic() < end:
+            while session.stats(w.control_socket)["asked"] < 1 and time.monotonic() < end:
                 time.sleep(0.05)
-            res["asked"] = driver.stats(w.control_socket)["asked"]
+            res["asked"] = session.stats(w.control_socket)["asked"]
             gate.set()
             turn.join(300)
             assert plan.wait_offered(120)
@@ -254,8 +257,8 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             full = (len(out["convs"]["c3"]) + len(out["turn1_c3"]) - 1) // out["block_size"]
             res["plan"], res["next"], res["parts"], res["mine"] = plan, got.get("next"), parts, set(mine[:full])
             res["rest"] = dict(plan.rest.stats) if plan.rest is not None else {}
-            res["coming_after"] = driver.stats(w.control_socket)["coming"]
-            driver.withdraw(w.control_socket)
+            res["coming_after"] = session.stats(w.control_socket)["coming"]
+            session.withdraw(w.control_socket)
         return res
 
     out["b"] = restore_into("b")

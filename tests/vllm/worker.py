@@ -18,7 +18,7 @@ Modes:
     checkpoint): the restore must fail closed and replay cold.
 
 The checkpoint mode passes the same kind of ``generate`` to
-``driver.checkpoint``, which records the canary just before the capture.
+``agent.session.checkpoint``, which records the canary just before the capture.
 """
 
 from __future__ import annotations
@@ -119,17 +119,18 @@ def checkpoint_in_flight(a: dict, llm, repo, outs: dict, requests: dict, min_out
     """
     from vllm.inputs import TokensPrompt
 
-    from agent.engines import canary, driver
+    from agent import session
+    from agent.engines import canary
 
     probe = canary.record(make_generate(llm, outs))
-    driver.hold(a["socket"], len(requests), timeout=300)
+    session.hold(a["socket"], len(requests), timeout=300)
 
     def start() -> None:
         for rid, (toks, sp) in requests.items():
             llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp)
 
     when = {"live": len(requests), "min_outputs": min_outputs}
-    return driver.checkpoint_around(a["socket"], start, repo, "w0", canary=probe, when=when, timeout=300)
+    return session.checkpoint_around(a["socket"], start, repo, "w0", canary=probe, when=when, timeout=300).manifest
 
 
 WORDS = "(alpha|beta|gamma|delta)"
@@ -202,7 +203,7 @@ def faults(a: dict, llm, res: dict) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from agent.engines import driver
+    from agent import session
 
     eng = llm.llm_engine
     rng = random.Random(5)
@@ -213,13 +214,13 @@ def faults(a: dict, llm, res: dict) -> None:
     outs: dict = {}
     drain(llm, outs, until=lambda o: len(o) == 3 and min(len(v["tokens"]) for v in o.values()) >= 10)
     try:
-        driver.capture(a["socket"], timeout=5)
+        session.capture(a["socket"], timeout=5)
         res["capture_error"] = None
     except Exception as exc:
         res["capture_error"] = f"{type(exc).__name__}: {exc}"
     drain(llm, outs)
     res["completed"] = {rid: len(v["tokens"]) for rid, v in outs.items() if v["finished"]}
-    res["stats"] = driver.stats(a["socket"])
+    res["stats"] = session.stats(a["socket"])
 
 
 def main() -> None:
@@ -227,7 +228,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from agent.engines import driver
+    from agent import session
     from agent.engines.vllm import offline
     from ckpt import Repository
 
@@ -253,7 +254,7 @@ def main() -> None:
         drain(llm, outs)
         res["turn1"] = {rid: convs[rid] + outs[rid]["tokens"] for rid in convs}
         t0 = time.monotonic()
-        cap = driver.capture(a["socket"], timeout=20)  # no request running: must still complete
+        cap = session.capture(a["socket"], timeout=20)  # no request running: must still complete
         res["idle_capture"] = {
             **cap.stats,
             "ledger_requests": len(cap.ledger.data["requests"]),
@@ -268,8 +269,8 @@ def main() -> None:
         eng.add_request("seeded0", TokensPrompt(prompt_token_ids=prompts["seeded0"]), seeded)
         outs = {}
         drain(llm, outs, until=lambda o: len(o) == 4 and min(len(v["tokens"]) for v in o.values()) >= 40)
-        st: dict = {}
-        m = driver.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs), stats=st)
+        done = session.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
+        m, st = done.manifest, done.stats
         res["canary"] = m.canary
         res["checkpoint"] = m.id
         res["checkpoint_stats"] = st
@@ -283,7 +284,7 @@ def main() -> None:
     else:
         t0 = time.monotonic()
         gen_outs: dict = {}
-        plan = driver.restore(
+        plan = session.restore(
             repo, a["checkpoint"], a["socket"], staging_dir=a["staging"], generate=make_generate(llm, gen_outs)
         )
         res["warm"], res["reasons"], res["restore_stats"] = plan.warm, plan.reasons, plan.stats
@@ -310,7 +311,7 @@ def main() -> None:
             }
             for r in plan.requests
         }
-        res["connector_after_restore"] = driver.stats(a["socket"])
+        res["connector_after_restore"] = session.stats(a["socket"])
         outs = {}
         for rid, hist in a.get("turn1", {}).items():
             eng.add_request(rid + "-t2", TokensPrompt(prompt_token_ids=[*hist, 5, 6, 7, 8]), sp(4))
@@ -318,16 +319,16 @@ def main() -> None:
         res["turn2"] = {
             rid: {"prompt_len": v["prompt_len"], "num_cached_tokens": v["num_cached_tokens"]} for rid, v in outs.items()
         }
-        res["connector"] = driver.stats(a["socket"])
+        res["connector"] = session.stats(a["socket"])
         res["extra_restores"] = {}
         for ref in a.get("extra_restores", []):
-            plan = driver.restore(repo, ref, a["socket"], staging_dir=a["staging"], generate=make_generate(llm, {}))
+            plan = session.restore(repo, ref, a["socket"], staging_dir=a["staging"], generate=make_generate(llm, {}))
             res["extra_restores"][ref] = {"warm": plan.warm, "reasons": plan.reasons}
-            driver.control.call(a["socket"], "withdraw")
+            session.withdraw(a["socket"])
         if a.get("canary_fault"):
             import dataclasses
 
-            plan = driver.restore(
+            plan = session.restore(
                 repo,
                 a["checkpoint"],
                 a["socket"],
@@ -336,7 +337,7 @@ def main() -> None:
             )
             plan.wait_offered(300)
             f: dict = {"warm": plan.warm, "reasons": plan.reasons, "restore_stats": {**plan.stats, **plan.totals()}}
-            f["connector_after_restore"] = driver.stats(a["socket"])
+            f["connector_after_restore"] = session.stats(a["socket"])
             # new ids: the first pass's requests (same client ids) are finished, but keep them apart
             again = [dataclasses.replace(r, request_id=r.request_id + "-again") for r in plan.requests]
             offline.submit(llm, again)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from agent.engines.base import Engine, ServingClient, script_python
+from agent.engines.base import Engine, script_python
+from agent.engines.sglang.serve import SglangClient, linker_args
 
 #: the module ``python -m`` runs for a server (what ``sglang serve`` runs for a language model)
 LAUNCH_MODULE = "sglang.launch_server"
@@ -23,9 +24,7 @@ class SglangEngine(Engine):
     name: ClassVar[str] = "sglang"
     default_port: ClassVar[int] = 30000
 
-    def client(self, url: str) -> ServingClient:
-        from agent.engines.sglang.serve import SglangClient
-
+    def client(self, url: str) -> SglangClient:
         return SglangClient(url)
 
     @classmethod
@@ -45,8 +44,6 @@ class SglangEngine(Engine):
     ) -> list[str]:
         """``python -m sglang.launch_server ARGS`` (or ``sglang serve ARGS``) with gpuckpt's linker
         (``hold_retries_s`` has no SGLang counterpart yet: its retries are not attached)."""
-        from agent.engines.sglang.serve import linker_args
-
         argv = _launch_argv(command)
         if any(a == f or a.startswith(f + "=") for a in argv for f in _LINKER_FLAGS):
             raise ValueError("the command already configures an external cache linker; launch sets it")

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.engines.base import Resubmission
+from agent.engines.types import Resubmission
 from ckpt import Ledger
 from ckpt.errors import FormatError
 

@@ -1,4 +1,4 @@
-"""The vLLM adapter: a KV connector loaded inside vLLM, and the agent-side driver.
+"""The vLLM adapter: a KV connector loaded inside vLLM, its request ledger and serving client, and its Engine.
 
 Load the connector with (gpuckpt's ``vllm.general_plugins`` entry point
 registers the name in every vLLM process; ``"kv_connector_module_path":

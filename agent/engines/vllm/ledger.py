@@ -71,7 +71,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from agent.engines.base import Resubmission, token_digest
+from agent.engines.types import Resubmission, token_digest
 from ckpt import Ledger
 from ckpt.errors import FormatError
 

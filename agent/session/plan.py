@@ -1,0 +1,91 @@
+"""Whether a checkpoint restores warm into a worker, and why not: one verdict for the CLI's
+``restore --dry-run``, the agent's ``GET /restore/plan`` and :func:`agent.session.restore`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from agent.engines import ledgers, shards
+from agent.engines.types import TRUST_DOMAIN, WorkerDescription
+from agent.session.worker import WorkerLike, describe
+from ckpt import Manifest, Pins, Policy, decide, host_facts
+from ckpt.compat import STRICT, RuleResult, rule_json
+
+__all__ = ["Decision", "plan", "restore_decision"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether checkpoint ``checkpoint`` restores warm into a worker, and why not: the one
+    verdict the CLI, the agent's API and :func:`agent.session.restore` give, serialized one way
+    (:meth:`to_json`)."""
+
+    checkpoint: str
+    warm: bool
+    reasons: list[str]
+    results: list[RuleResult]
+    policy: Policy
+    requests: int
+    blocks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint,
+            "warm": self.warm,
+            "reasons": list(self.reasons),
+            "requests": self.requests,
+            "blocks": self.blocks,
+            "results": [rule_json(r, self.policy) for r in self.results],
+        }
+
+
+def _shard_reasons(m: Manifest) -> list[str]:
+    """Why the checkpoint's pages are not whole (a rank's part missing or inconsistent), naming the rank."""
+    layout = m.layout
+    recs = layout.get("shards")
+    if recs is None:  # written before tensor parallelism was carried: one rank, whole pages
+        return []
+    try:
+        total = int(layout["num_kv_heads"])
+        tp = int(layout.get("tensor_parallel_size", len(recs)))
+        shards.check_cover(recs, total, tp)
+        head_axis = int(layout.get("head_axis", 0))
+        if int(layout["page_shape"][1 + head_axis]) != total:
+            raise shards.ShardError(f"stored pages hold {layout['page_shape'][1 + head_axis]} of {total} KV heads")
+    except (shards.ShardError, KeyError, TypeError, ValueError, IndexError) as exc:
+        return [f"tensor parallel: {exc}"]
+    return []
+
+
+def restore_decision(
+    m: Manifest, desc: WorkerDescription, policy: Policy | None = None, trust_domain: str | None = None
+) -> Decision:
+    """The restore decision for checkpoint ``m`` and the worker ``desc`` describes, on this host:
+    the pins' rules (:func:`ckpt.decide` under ``policy``), the block namespace, the trust domain
+    and the TP shards. (The canary is judged by :func:`agent.session.restore`, on the worker.)
+
+    With ``trust_domain``, a checkpoint taken in another domain is refused by name: its bytes came
+    from workers this one does not trust. A checkpoint that names no domain (an older agent's) is
+    allowed: those deduplicated across every worker of the repository (docs/agent.md)."""
+    policy = policy or STRICT
+    decision = decide(m.pins, Pins(host=host_facts(), worker=desc.facts), policy)
+    reasons = list(decision.reasons)
+    fields = {k: v for k, v in m.namespace.items() if k != TRUST_DOMAIN}
+    if fields != dict(desc.namespace_fields):
+        reasons.append(f"namespace: checkpoint {fields} != worker {dict(desc.namespace_fields)}")
+    theirs = m.namespace.get(TRUST_DOMAIN)
+    if trust_domain is not None and theirs is not None and theirs != trust_domain:
+        reasons.append(f"trust domain: checkpoint {theirs!r} != this worker's {trust_domain!r}")
+    reasons += _shard_reasons(m)
+    return Decision(
+        m.id, not reasons, reasons, decision.results, policy, ledgers.request_count(m.ledger), m.sizes.blocks
+    )
+
+
+def plan(
+    worker: WorkerLike, manifest: Manifest, policy: Policy | None = None, trust_domain: str | None = None
+) -> Decision:
+    """Would a restore of ``manifest`` into ``worker`` be warm, and why not; changes nothing
+    (the worker is only asked to describe itself)."""
+    return restore_decision(manifest, describe(worker), policy, trust_domain)

@@ -1,0 +1,111 @@
+"""The worker a session works on, and the control calls that are an operation of their own.
+
+Every function of :mod:`agent.session` takes the worker first, as a
+:data:`WorkerLike`: an :class:`~agent.engines.base.Engine` (its channel, its
+staging, and its name, which the worker must run), a
+:class:`~agent.engines.channel.WorkerChannel`, or the path of the worker
+adapter's control socket. :func:`reach` turns each into a :class:`Worker`.
+Errors are the channel's (:mod:`agent.engines.channel`): nothing answering is
+:class:`ckpt.errors.WorkerUnreachable`, a refusal or a broken call
+:class:`~agent.engines.control.ControlError`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from agent.engines.base import Engine
+from agent.engines.channel import WorkerChannel
+from agent.engines.types import Staging, WorkerDescription
+from ckpt import EngineMismatch, WorkerFacts
+
+__all__ = [
+    "Socket",
+    "Worker",
+    "WorkerLike",
+    "describe",
+    "hold",
+    "reach",
+    "stats",
+    "sweep",
+    "wait_until",
+    "withdraw",
+]
+
+Socket = str | os.PathLike[str]
+#: what a session function accepts as its worker
+WorkerLike = Engine | WorkerChannel | Socket
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One worker as a session reaches it: its control channel, where its page files may be
+    (see :class:`~agent.engines.types.Staging`), and the engine it must run (None: any)."""
+
+    channel: WorkerChannel
+    where: Staging
+    engine: str | None = None
+
+
+def reach(worker: WorkerLike, *, where: Staging | None = None, engine: str | None = None) -> Worker:
+    """``worker`` as a :class:`Worker`; ``where`` and ``engine``, when given, replace an
+    Engine's own (a bare channel or socket: any staging directory, any engine)."""
+    if isinstance(worker, Engine):
+        return Worker(worker.channel, where or worker.staging, engine or worker.name)
+    channel = worker if isinstance(worker, WorkerChannel) else WorkerChannel(worker)
+    return Worker(channel, where or Staging(), engine)
+
+
+def channel_of(worker: WorkerLike) -> WorkerChannel:
+    """The control channel of ``worker``."""
+    if isinstance(worker, Engine):
+        return worker.channel
+    return worker if isinstance(worker, WorkerChannel) else WorkerChannel(worker)
+
+
+def describe(worker: WorkerLike, engine: str | None = None) -> WorkerDescription:
+    """The worker's pins, layout and namespace; :class:`ckpt.EngineMismatch` if it runs another
+    engine than ``engine`` (default: an Engine's name), before anything else is asked of it."""
+    w = reach(worker, engine=engine)
+    r = w.channel.describe()
+    desc = WorkerDescription(WorkerFacts.model_validate(r.facts), r.layout, r.namespace)
+    if w.engine and desc.facts.engine and desc.facts.engine != w.engine:
+        raise EngineMismatch(
+            f"the worker on {w.channel.socket} runs {desc.facts.engine}, not {w.engine} (the agent's `engine` setting)"
+        )
+    return desc
+
+
+def stats(worker: WorkerLike) -> dict[str, Any]:
+    """The worker half's counters: tokens loaded per restored request, current step, offers."""
+    return channel_of(worker).stats()
+
+
+def withdraw(worker: WorkerLike) -> int:
+    """End the worker's restore offer: no block or request state of it is used from the next step
+    boundary on, and its page files are deleted; returns how many page files it held."""
+    return channel_of(worker).withdraw().files
+
+
+def sweep(worker: WorkerLike) -> list[str]:
+    """Ask the worker half to delete capture page files no capture in flight owns (a killed agent's)."""
+    return list(channel_of(worker).sweep().removed)
+
+
+def hold(worker: WorkerLike, requests: int, *, timeout: float = 60.0) -> None:
+    """Hold new requests in the engine's queue until ``requests`` have arrived (or ``timeout`` s
+    passed), then let them start at one step boundary."""
+    channel_of(worker).hold(requests, timeout=timeout)
+
+
+def wait_until(worker: WorkerLike, *, live: int, min_outputs: int = 0, timeout: float = 120.0) -> dict[str, Any]:
+    """Block until a step boundary where ``live`` unfinished requests have ``min_outputs`` outputs each.
+
+    The condition is judged by the worker half on the engine's scheduler
+    thread at every step, so it cannot be missed between two polls (requests
+    that come and go between them); returns the step, live count and each
+    request's outputs at that boundary.
+    """
+    return dict(channel_of(worker).wait(when={"live": live, "min_outputs": min_outputs}, timeout=timeout).raw)
