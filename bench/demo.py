@@ -112,7 +112,7 @@ def main() -> int:
         run(Repository.open(str(tmp / "local"), create=True), "local", table)
         run(Repository.open(str(tmp / "local-aes"), key=key, create=True), "local+aes", table)
         try:
-            from tests.seaweed import SeaweedServer
+            from tests.harness.seaweed import SeaweedServer
 
             server = SeaweedServer(tmp / "seaweed")
             server.start()

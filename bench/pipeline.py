@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.no_s3:
             from ckpt.store.s3 import S3Store
-            from tests.seaweed import SeaweedServer
+            from tests.harness.seaweed import SeaweedServer
 
             server = srv = SeaweedServer(tmp / "seaweed")
             srv.start()

@@ -43,7 +43,8 @@ from vllm_common import free_port, make_model
 
 from agent import session
 from agent.engines import canary
-from agent.engines.sglang.serve import CPU_ARGS, Completion, SglangProcess
+from agent.engines.sglang.serve import CPU_ARGS, Completion
+from agent.testing import SglangProcess
 from ckpt import Repository, host_facts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,8 @@ from sglang_demo import SERVER_ARGS, STANDIN, sglang_python
 from vllm_common import free_port, kv_bytes_per_token, make_model
 
 from agent import session
-from agent.engines.sglang.serve import Completion, SglangProcess
+from agent.engines.sglang.serve import Completion
+from agent.testing import SglangProcess
 from ckpt import Repository
 
 ROOT = Path(__file__).resolve().parents[1]

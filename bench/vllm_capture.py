@@ -57,7 +57,7 @@ import contextlib
 from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, worker_args
 
 from agent import session
-from agent.engines.vllm.serve import ServeProcess
+from agent.testing import ServeProcess
 from ckpt import Repository
 
 SPEC: dict[str, Any] = {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "vocab": 4096, "dtype": "float32"}
@@ -252,7 +252,7 @@ def new_blocks(repo: Repository) -> dict[str, int]:
 
 
 def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespace) -> dict[str, Any]:
-    from tests.seaweed import SeaweedServer
+    from tests.harness.seaweed import SeaweedServer
 
     server = SeaweedServer(tmp / "seaweed")
     server.start()

@@ -45,7 +45,7 @@ from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 from agent import session
 from agent.engines import canary
 from agent.engines.serving import Completion
-from agent.engines.vllm.serve import ServeProcess
+from agent.testing import ServeProcess
 from ckpt import Repository, host_facts
 
 # Wide enough for the table even when make's output is not a terminal.

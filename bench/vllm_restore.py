@@ -53,7 +53,7 @@ from vllm_common import WORKER_ENV, free_port, kv_bytes_per_token, make_model, w
 
 from agent import session
 from agent.engines.serving import Completion
-from agent.engines.vllm.serve import ServeProcess
+from agent.testing import ServeProcess
 from ckpt import Repository, host_facts
 
 MODELS = {
@@ -85,7 +85,7 @@ def main() -> None:
     try:
         repos: dict[str, str] = {"local": str(tmp / "repo")}
         if not a.no_s3:
-            from tests.seaweed import SeaweedServer
+            from tests.harness.seaweed import SeaweedServer
 
             server = SeaweedServer(tmp / "seaweed")
             server.start()

@@ -40,7 +40,8 @@ from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 from agent import session
 from agent.engines import canary
 from agent.engines.vllm.middleware import ATTACH_HEADER
-from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
+from agent.engines.vllm.serve import kv_transfer_config
+from agent.testing import ServeProcess
 from ckpt import Repository
 
 VOCAB = 2048

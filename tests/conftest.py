@@ -1,7 +1,7 @@
-"""Shared fixtures.
+"""The fixtures every test may use (their machinery is in :mod:`tests.harness`).
 
 S3 tests run against one real SeaweedFS server started for the whole session
-(see ``tests/seaweed.py``). Tests that use it are marked ``pytest.mark.s3``;
+(see ``tests/harness/seaweed.py``). Tests that use it are marked ``pytest.mark.s3``;
 a missing ``weed`` binary fails them loudly instead of skipping them.
 """
 
@@ -9,28 +9,17 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
-from tests.seaweed import ACCESS_KEY, REGION, SECRET_KEY, SeaweedServer, find_weed
+from tests.harness.paths import short_dir
+from tests.harness.seaweed import SeaweedServer, find_weed, s3_environ
 
-_S3_ENV = {
-    "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-    "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-    "AWS_REGION": REGION,
-}
-# Variables that would steer boto3 away from the test server or its credentials.
-_S3_ENV_CLEARED = (
-    "AWS_SESSION_TOKEN",
-    "AWS_PROFILE",
-    "AWS_DEFAULT_PROFILE",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "GPUCKPT_S3_ENDPOINT",
-)
 _bucket_seq = itertools.count()
 # the suite's gc and unlock calls judge locks stale in seconds (refused outside tests: ckpt.lock);
 # set before any test, so the CLI subprocesses the tests start inherit it
@@ -51,21 +40,13 @@ def seaweed() -> Iterator[SeaweedServer]:
         weed = find_weed()
     except FileNotFoundError as exc:
         pytest.fail(str(exc), pytrace=False)
-    saved = {k: os.environ.get(k) for k in (*_S3_ENV, *_S3_ENV_CLEARED)}
-    for k in _S3_ENV_CLEARED:
-        os.environ.pop(k, None)
-    os.environ.update(_S3_ENV)
-    server = SeaweedServer(weed=weed)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with s3_environ():
+        server = SeaweedServer(weed=weed)
+        try:
+            server.start()
+            yield server
+        finally:
+            server.close()
 
 
 @pytest.fixture
@@ -83,11 +64,15 @@ def s3_url(seaweed: SeaweedServer, s3_bucket: str) -> str:
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
-    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can exceed that.
-    import tempfile
-
-    d = Path(tempfile.mkdtemp(prefix="gpa-", dir="/tmp"))
+    """A fresh directory with a short path (for Unix sockets), removed after the test."""
+    d = short_dir()
     yield d
-    import shutil
-
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_cleanup() -> Iterator[ExitStack]:
+    """Exits at the module's end, for what a module's fixtures start before its turn (a worker that
+    starts while another works): ``module_cleanup.enter_context(worker)``."""
+    with ExitStack() as stack:
+        yield stack

@@ -30,19 +30,7 @@ from ckpt import ConfigError, Repository, RepositoryLocked
 from ckpt.store.base import Buffer, Store
 from ckpt.testing import FaultyStore
 from tests.fake_connector import FakeConnector
-
-
-def make_cfg(tmp: Path, **over: object) -> config_mod.AgentConfig:
-    base: dict[str, object] = {
-        "worker_id": "w0",
-        "repository": str(tmp / "repo"),
-        "connector_socket": str(tmp / "conn.sock"),
-        "api": {"socket": str(tmp / "agent.sock")},
-        "restore": {"on_start": False},
-        "retention": {"keep_last": 2, "gc_interval": None},
-    }
-    base.update(over)
-    return config_mod.load(None, **base)
+from tests.harness.agent import make_cfg
 
 
 @pytest.fixture
@@ -288,7 +276,7 @@ def test_each_clouds_notice_triggers_exactly_one_preemption_checkpoint(rig, clou
     """A fake metadata service speaking the cloud's protocol: no checkpoint on its "no event"
     answers, one on the notice (however often polled after), Azure's events acknowledged once it
     is done."""
-    from tests.metadata_server import MetadataServer
+    from tests.harness.metadata import MetadataServer
 
     _tmp, fake, start = rig
     srv = MetadataServer(cloud)

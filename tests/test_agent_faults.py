@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +22,9 @@ from agent.daemon.api import AgentClient
 from agent.daemon.notify import Notifier
 from ckpt import Repository
 from tests.fake_connector import FakeConnector
-from tests.seaweed import SeaweedServer
-from tests.test_agent import make_cfg
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="gpf-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+from tests.harness.agent import make_cfg
+from tests.harness.cli import CLI
+from tests.harness.seaweed import SeaweedServer
 
 
 def load_all(repo: Repository, ref: str) -> int:
@@ -102,7 +92,7 @@ def test_agent_sigkilled_mid_upload(short_tmp: Path) -> None:
 
     def start() -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "agent", "run", "--config", str(cfg)],
+            [*CLI, "agent", "run", "--config", str(cfg)],
             stdout=(short_tmp / "agent.log").open("ab"),
             stderr=subprocess.STDOUT,
         )

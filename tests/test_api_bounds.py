@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import json
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -30,46 +29,28 @@ import ckpt
 from agent.daemon import api
 from agent.daemon.api import AgentApiError, AgentClient, ApiServer
 from ckpt.pins import Pins, WorkerFacts
-from tests.test_control_bounds import (
+from tests.harness.bounds import (
     FLOOD,
     PATIENCE,
-    ROOT,
     Served,
     connect,
     enough_fds,
     in_thread,
     read_until_eof,
-    short_tmp,  # noqa: F401 - a fixture
+    served_by,
     wait_for,
 )
+from tests.harness.repo import WORKER_FACTS
 
 
 @contextmanager
 def served(
     tmp: Path, *, max_threads: int = api.MAX_THREADS, request_timeout: float = api.REQUEST_TIMEOUT
 ) -> Iterator[Served]:
-    sock, state = tmp / "a.sock", tmp / "state"
-    state.mkdir()
-    args = [str(sock), str(state), str(max_threads), str(request_timeout)]
-    p = subprocess.Popen(
-        [sys.executable, "-m", "tests.test_api_bounds", *args],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert p.stdout is not None
-        assert p.stdout.readline() == "ready\n", "the agent API did not start"
-        yield Served(p.pid, sock, state)
-    finally:
-        assert p.stdin is not None
-        p.stdin.close()  # the server stops and exits
-        try:
-            p.wait(PATIENCE)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    """This module's agent API (``_serve``), in a subprocess."""
+    args = (str(max_threads), str(request_timeout))
+    with served_by("tests.test_api_bounds", tmp / "a.sock", tmp / "state", *args, what="the agent API") as s:
+        yield s
 
 
 def health(sock: Path) -> Any:
@@ -92,7 +73,7 @@ def slow_status(srv: Served) -> tuple[Any, list[Any]]:
 # -- bounds --------------------------------------------------------------------------------------
 
 
-def test_an_idle_flood_costs_bounded_threads_and_the_api_keeps_answering(short_tmp: Path) -> None:  # noqa: F811
+def test_an_idle_flood_costs_bounded_threads_and_the_api_keeps_answering(short_tmp: Path) -> None:
     enough_fds(FLOOD)
     with served(short_tmp) as srv:
         base_threads, base_rss = srv.threads(), srv.kib("VmRSS")
@@ -124,7 +105,7 @@ def test_an_idle_flood_costs_bounded_threads_and_the_api_keeps_answering(short_t
     ],
     ids=["request-line", "header", "body"],
 )
-def test_a_gigabyte_request_is_refused_at_once(short_tmp: Path, head: bytes, status: bytes) -> None:  # noqa: F811
+def test_a_gigabyte_request_is_refused_at_once(short_tmp: Path, head: bytes, status: bytes) -> None:
     with served(short_tmp) as srv:
         hwm0 = srv.kib("VmHWM")
         chunk = b"a" * (1 << 20)
@@ -146,7 +127,7 @@ def test_a_gigabyte_request_is_refused_at_once(short_tmp: Path, head: bytes, sta
     assert growth < 16 << 20  # limits of 64 KiB: never the gigabyte
 
 
-def test_a_stalled_request_is_dropped_and_a_long_request_is_not(short_tmp: Path) -> None:  # noqa: F811
+def test_a_stalled_request_is_dropped_and_a_long_request_is_not(short_tmp: Path) -> None:
     with served(short_tmp, request_timeout=1.0) as srv:
         t, out = slow_status(srv)
         wait_for(lambda: running(srv) == 1, "the long request to start")
@@ -164,7 +145,7 @@ def test_a_stalled_request_is_dropped_and_a_long_request_is_not(short_tmp: Path)
     assert out == [{"released": True}]
 
 
-def test_a_stalled_client_gives_way_to_a_new_one(short_tmp: Path) -> None:  # noqa: F811
+def test_a_stalled_client_gives_way_to_a_new_one(short_tmp: Path) -> None:
     with served(short_tmp, max_threads=1) as srv, connect(srv.sock) as s:
         s.sendall(b"GET /health HTTP/1.1\r\n")  # takes the only thread, and would keep it for 10 s
         assert health(srv.sock)["ok"] is True
@@ -173,7 +154,7 @@ def test_a_stalled_client_gives_way_to_a_new_one(short_tmp: Path) -> None:  # no
     assert b"connection dropped for a new one: 1 were open" in answer
 
 
-def test_503_when_every_thread_handles_a_request(short_tmp: Path) -> None:  # noqa: F811
+def test_503_when_every_thread_handles_a_request(short_tmp: Path) -> None:
     with served(short_tmp, max_threads=2) as srv:
         calls = [slow_status(srv) for _ in range(2)]
         wait_for(lambda: running(srv) == 2, "both long requests to start")
@@ -192,9 +173,9 @@ def test_503_when_every_thread_handles_a_request(short_tmp: Path) -> None:  # no
 # -- /restore/plan is the agent's own worker's --------------------------------------------------
 
 
-def test_restore_plan_resolves_only_this_workers_checkpoints(short_tmp: Path) -> None:  # noqa: F811
+def test_restore_plan_resolves_only_this_workers_checkpoints(short_tmp: Path) -> None:
     repo = ckpt.Repository.open(str(short_tmp / "repo"), create=True)
-    worker = WorkerFacts.model_validate(_WORKER)
+    worker = WorkerFacts.model_validate(WORKER_FACTS)
     ids = {}
     for w in ("w0", "w1"):
         block = ckpt.Block.from_array(w.encode(), np.arange(64, dtype=np.float16))
@@ -233,28 +214,6 @@ def test_restore_plan_resolves_only_this_workers_checkpoints(short_tmp: Path) ->
     finally:
         server.stop()
         repo.close()
-
-
-_WORKER = {
-    "engine": "test",
-    "engine_version": "1.0",
-    "attention_backend": "FLASH_ATTN",
-    "kv_layout": "[2,num_blocks,16,4,8]",
-    "block_size": 16,
-    "kv_dtype": "float16",
-    "num_kv_heads": 4,
-    "head_size": 8,
-    "model_runner": "v1",
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "rank": 0,
-    "model": "tiny",
-    "model_revision": "r1",
-    "model_digest": "sha256:" + "ab" * 32,
-    "tokenizer_digest": "absent",
-    "prefix_hash_algo": "sha256",
-    "prefix_hash_seed": "0",
-}
 
 
 # -- the server, run as ``python -m tests.test_api_bounds SOCK STATE MAX_THREADS TIMEOUT`` -------

@@ -41,7 +41,7 @@ from ckpt.index import decode_index
 from ckpt.manifest import KIND, manifest_name
 from ckpt.pack import END_MAGIC, HEADER, read_trailer
 from ckpt.testing import FaultyStore
-from tests.helpers import NS, key, make_block, sample_pins
+from tests.harness.repo import NS, key, make_block, sample_pins
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

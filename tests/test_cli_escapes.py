@@ -23,7 +23,7 @@ from ckpt import lock as lock_mod
 from ckpt.pins import Pins, WorkerFacts
 from cli._common import safe as _safe
 from cli.main import app
-from tests.test_api_bounds import _WORKER
+from tests.harness.repo import WORKER_FACTS
 
 # Clear screen, set the window title (OSC … BEL), C1 CSI, a right-to-left override,
 # NUL, DEL, a line separator.
@@ -50,7 +50,7 @@ def evil_repo(tmp_path: Path) -> tuple[Path, ckpt.Manifest]:
             [ckpt.Block.from_array(b"k0", np.arange(64, dtype=np.float16))],
             worker_id="w0",
             namespace=ckpt.Namespace({"engine": "test"}),
-            pins=Pins(host=ckpt.host_facts(), worker=WorkerFacts.model_validate(_WORKER | {"model": "m" + EVIL})),
+            pins=Pins(host=ckpt.host_facts(), worker=WorkerFacts.model_validate(WORKER_FACTS | {"model": "m" + EVIL})),
             labels={"note": EVIL},
             parent="p" + EVIL,
         )
@@ -104,7 +104,7 @@ def test_ls_shows_a_parent_and_a_planted_worker_id_escaped(evil_repo: tuple[Path
 def test_compat_reasons_quote_pins_escaped(evil_repo: tuple[Path, ckpt.Manifest], tmp_path: Path) -> None:
     path, _ = evil_repo
     facts = tmp_path / "worker.json"
-    facts.write_text(json.dumps(_WORKER))  # model "tiny": a mismatch with the recorded one
+    facts.write_text(json.dumps(WORKER_FACTS))  # model "tiny": a mismatch with the recorded one
     r = run("-r", str(path), "compat", "latest", "--worker-facts", str(facts))
     assert r.exit_code == 5, r.output
     assert raw_controls(r.stdout) == []

@@ -22,7 +22,7 @@ from ckpt.compat import (
 )
 from ckpt.errors import ConfigError, IncompatibleCheckpoint
 from ckpt.pins import ABSENT, HostFacts, Pins, WorkerFacts
-from tests.test_pins_fingerprint import INT_FIELDS, pins_strategy
+from tests.harness.strategies import INT_FIELDS, pins_strategy
 
 HOST_RULES = [
     "gpu_product",

@@ -1,150 +1,49 @@
 """The connector's control channel (:class:`ControlServer`) against floods, huge lines and stalled clients.
 
-The server runs in a subprocess (this module run as a script), so the
-threads it starts (``/proc/PID/task``) and its peak memory (``VmHWM``) are
-its own. Its handler knows ``ping`` and ``block``: a long-running call (as
-``capture`` or ``wait`` are) that returns when the test creates a release
-file. Nothing here waits on a clock: every wait is for a condition, with a
-generous deadline.
+The server runs in a subprocess (this module run as a script, through
+:mod:`tests.harness.bounds`), so the threads it starts (``/proc/PID/task``)
+and its peak memory (``VmHWM``) are its own. Its handler knows ``ping`` and
+``block``: a long-running call (as ``capture`` or ``wait`` are) that returns
+when the test creates a release file. Nothing here waits on a clock: every
+wait is for a condition, with a generous deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import resource
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agent.engines import control
-
-ROOT = Path(__file__).resolve().parent.parent
-FLOOD = 2000
-PATIENCE = 120.0  # seconds: a deadline only a broken server reaches
-
-
-@dataclass
-class Served:
-    pid: int
-    sock: Path
-    state: Path
-
-    def threads(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/task"))
-
-    def kib(self, field: str) -> int:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-        raise AssertionError(f"no {field} in /proc/{self.pid}/status")
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can exceed that.
-    import shutil
-
-    d = Path(tempfile.mkdtemp(prefix="gpc-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+from tests.harness.bounds import (
+    FLOOD,
+    PATIENCE,
+    Served,
+    connect,
+    enough_fds,
+    in_thread,
+    read_until_eof,
+    served_by,
+    wait_for,
+)
 
 
 @contextmanager
 def served(
     tmp: Path, *, max_connections: int = control.MAX_CONNECTIONS, request_timeout: float = control.REQUEST_TIMEOUT
 ) -> Iterator[Served]:
-    sock, state = tmp / "c.sock", tmp / "state"
-    state.mkdir()
-    args = [str(sock), str(state), str(max_connections), str(request_timeout)]
-    p = subprocess.Popen(
-        [sys.executable, "-m", "tests.test_control_bounds", *args],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert p.stdout is not None
-        assert p.stdout.readline() == "ready\n", "the control server did not start"
-        yield Served(p.pid, sock, state)
-    finally:
-        assert p.stdin is not None
-        p.stdin.close()  # the server closes and exits
-        try:
-            p.wait(PATIENCE)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def wait_for(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PATIENCE
-    while not cond():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.01)
-
-
-def enough_fds(n: int) -> None:
-    """Raise the soft descriptor limit to hold ``n`` connections (and spares), or skip saying why."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = n + 256
-    if soft != resource.RLIM_INFINITY and soft < need:
-        if hard != resource.RLIM_INFINITY and hard < need:
-            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is below the {need} descriptors {n} connections need")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-
-
-def connect(path: Path) -> socket.socket:
-    """A connection, waiting (not failing) while the server's accept backlog is full."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(PATIENCE)
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        try:
-            s.connect(str(path))
-            return s
-        except BlockingIOError:  # a full backlog: EAGAIN, for a socket with a timeout
-            if time.monotonic() > deadline:
-                s.close()
-                raise
-            time.sleep(0.001)
-
-
-def read_until_eof(s: socket.socket) -> bytes:
-    s.settimeout(PATIENCE)
-    got = b""
-    try:
-        while chunk := s.recv(1 << 16):
-            got += chunk
-    except ConnectionResetError:
-        pass  # what came before the reset is the answer
-    return got
-
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except Exception as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
+    """This module's control server (``_serve``), in a subprocess."""
+    args = (str(max_connections), str(request_timeout))
+    with served_by("tests.test_control_bounds", tmp / "c.sock", tmp / "state", *args, what="the control server") as s:
+        yield s
 
 
 # -- the tests --------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ckpt import (
 )
 from ckpt.manifest import manifest_name
 from ckpt.pack import pack_name
-from tests.helpers import NS, block_bytes, make_block, repo_factory, sample_pins
+from tests.harness.repo import NS, block_bytes, make_block, repo_factory, sample_pins
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])

@@ -551,7 +551,7 @@ def test_s3_multipart_part_dropped(s3_repo: Repository, abort_fails: bool) -> No
 @pytest.mark.s3
 @pytest.mark.slow
 def test_s3_server_goes_away_mid_save(seaweed: Any, tmp_path: Path) -> None:
-    from tests.seaweed import SeaweedServer
+    from tests.harness.seaweed import SeaweedServer
 
     # A server of its own: stopping the shared one would disturb other tests.
     server = SeaweedServer(tmp_path / "seaweed", weed=seaweed.weed)

@@ -11,7 +11,7 @@ import pytest
 
 from ckpt import Block, Keyring, Manifest, Namespace, Repository, SaveOptions
 from ckpt.pack import read_trailer
-from tests.helpers import (
+from tests.harness.repo import (
     NS,
     added_bytes,
     block_bytes,

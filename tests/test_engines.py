@@ -20,7 +20,7 @@ from agent.engines import control, ledgers
 from agent.engines.base import Resubmission
 from agent.engines.types import Staging
 from tests.fake_connector import FakeConnector
-from tests.test_agent import make_cfg
+from tests.harness.agent import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,24 +24,19 @@ import pytest
 from ckpt import (
     Block,
     ConfigError,
-    HostFacts,
     Manifest,
-    Namespace,
     OperationAborted,
-    Pins,
     Repository,
     RepositoryLocked,
     SaveOptions,
-    WorkerFacts,
 )
-from ckpt.index import decode_index
 from ckpt.lock import list_locks
 from ckpt.store.base import ObjectInfo, Store
 from ckpt.store.local import LocalStore
 from ckpt.testing import Fault, FaultyStore, KilledStore, SimulatedCrash
+from tests.harness.repo import BARE_NS, BARE_PINS, indexed_packs, pack_ids
 
-NS = Namespace({"model": "gc-test"})
-PINS = Pins(host=HostFacts(), worker=WorkerFacts())
+NS, PINS = BARE_NS, BARE_PINS
 KiB = 1 << 10
 OPTS = SaveOptions(pack_size=64 * KiB, upload_workers=1, workers=1)
 GRACE0 = timedelta(0)
@@ -67,20 +62,8 @@ def assert_loads(repo: Repository, ref: str | Manifest, bl: list[Block]) -> None
     assert got == {b.key: bytes(b.data) for b in bl}
 
 
-def pack_ids(store: Store) -> set[str]:
-    return {o.name.rsplit("/", 1)[-1] for o in store.list("packs/")}
-
-
 def packs_of(m: Manifest) -> set[str]:
     return {b.pack for b in m.blocks}
-
-
-def indexed_packs(store: Store) -> set[str]:
-    """Every pack any index document names (read straight from the store)."""
-    out = set()
-    for o in store.list("index/"):
-        out |= {p.id for p in decode_index(o.name, store.get(o.name), None)}
-    return out
 
 
 def assert_clean(root: Path, live: dict[str, list[Block]]) -> None:

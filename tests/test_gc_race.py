@@ -35,8 +35,9 @@ from ckpt.store.base import Store
 from ckpt.store.local import LocalStore
 from ckpt.testing import ClockedStore, Fault, FaultyStore, KilledStore, SimulatedCrash, VirtualClock
 from ckpt.url import open_store as url_store
-from tests.test_gc import NS, PINS, indexed_packs, pack_ids
+from tests.harness.repo import BARE_NS, BARE_PINS, indexed_packs, pack_ids
 
+NS, PINS = BARE_NS, BARE_PINS
 KiB = 1 << 10
 OPTS = SaveOptions(pack_size=64 * KiB, upload_workers=1, workers=1)
 MAX_SAVE = 100.0  # virtual seconds; the clock ticks 1 s per store call

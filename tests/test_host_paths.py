@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,13 +29,6 @@ from tests.fake_connector import FakeConnector
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="a directory owned by another account needs root to make")
 OTHER = 54321  # an account that is not us (no passwd entry needed)
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="gph-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def squat(d: Path, *, owner: int | None = None, mode: int = 0o777) -> Path:

@@ -22,7 +22,7 @@ from ckpt.lock import KIND, Lock, list_locks, read_lock, remove_stale_locks
 from ckpt.store.base import Buffer, Store
 from ckpt.store.local import LocalStore
 from ckpt.testing import Fault, FaultyStore
-from tests.helpers import NS, make_block, sample_pins
+from tests.harness.repo import NS, make_block, sample_pins
 
 GRACE0 = timedelta(0)
 

@@ -30,7 +30,7 @@ from ckpt.manifest import Manifest
 from ckpt.pack import FOOTER_SIZE, pack_name, read_trailer
 from ckpt.store.local import LocalStore
 from tests.fixtures.make_format_v1 import KEY_HEX, blocks
-from tests.helpers import NS, make_block, sample_pins
+from tests.harness.repo import NS, make_block, sample_pins
 
 V1_ENCRYPTED = Path(__file__).parent / "fixtures" / "format-v1" / "encrypted"
 MASTER = os.urandom(32)

@@ -19,7 +19,7 @@ import pytest
 import ckpt.save as save_mod
 from ckpt import FormatError, IntegrityError, Keyring, Repository
 from ckpt.store.local import LocalStore
-from tests.helpers import NS, make_block, sample_pins
+from tests.harness.repo import NS, make_block, sample_pins
 
 GRACE0 = timedelta(0)
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent.daemon.preemption import NoticeSource
-from tests.metadata_server import MetadataServer
+from tests.harness.metadata import MetadataServer
 
 
 @pytest.fixture(params=["gce", "aws", "azure"])

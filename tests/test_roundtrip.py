@@ -17,7 +17,7 @@ from ckpt.pack import HEADER_SIZE, read_trailer
 from ckpt.store import LocalStore
 from ckpt.store.base import Store
 from ckpt.testing import FaultyStore
-from tests.helpers import (
+from tests.harness.repo import (
     KV_DTYPES,
     NS,
     block_bytes,

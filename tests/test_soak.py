@@ -24,9 +24,10 @@ import pytest
 from ckpt import GpuckptError, Repository
 from ckpt.lock import list_locks
 from ckpt.store.local import LocalStore
+from tests.harness.scripts import soak_writer
 
 pytestmark = pytest.mark.slow
-WRITER = Path(__file__).with_name("soak_writer.py")
+WRITER = Path(soak_writer.__file__)
 TRAFFIC_S = 40.0
 MAX_SAVE_S = 3.0  # writers abort a save that runs longer; gc deletes 6 s after condemning
 
@@ -106,8 +107,7 @@ def test_two_trust_domains_and_a_hostile_writer_share_a_bucket_and_the_honest_lo
     stored the prompt's true bytes once between them, and verify is clean."""
     from ckpt import Keyring
 
-    sys.path.insert(0, str(WRITER.parent))
-    from soak_writer import system_bytes
+    system_bytes = soak_writer.system_bytes
 
     key = os.urandom(32)
     env = {"GPUCKPT_SOAK_KEY": key.hex()}

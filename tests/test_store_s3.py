@@ -23,7 +23,7 @@ from ckpt.errors import (
 from ckpt.store import s3 as s3mod
 from ckpt.store.s3 import MiB, S3Store
 from ckpt.store.s3_errors import translate as _translate
-from tests.seaweed import SeaweedServer, free_port
+from tests.harness.seaweed import SeaweedServer, free_port
 from tests.store_suite import RawAccess, StoreTests
 
 pytestmark = pytest.mark.s3

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import random
 import signal
-import tempfile
 import threading
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,24 +21,20 @@ import pytest
 from agent import session
 from agent.engines.base import token_digest
 from ckpt import Repository
-from tests.sglang.conftest import Start
-from tests.vllm.test_agent_e2e import cli, start_agent, wait_for, write_config
+from tests.harness.agent import start_agent, write_config
+from tests.harness.cli import cli
+from tests.harness.paths import short_dir
+from tests.harness.sglang import Start
+from tests.harness.waiting import quiet, wait_for
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 LONG = {**GREEDY, "max_new_tokens": 1500}  # still decoding when the final checkpoint captures
 
 
-def _quiet(fn: Any) -> None:
-    try:
-        fn()
-    except Exception:
-        return
-
-
 @pytest.fixture(scope="module")
 def e2e(start_server: Start) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="gpsg-", dir="/tmp"))
+    tmp = short_dir("gpsg-")
     url = str(tmp / "repo")
     repo = Repository.open(url, create=True)
     out: dict[str, Any] = {"tmp": tmp, "url": url}
@@ -63,7 +57,7 @@ def e2e(start_server: Start) -> dict[str, Any]:
         out["periodic"] = repo.manifest(after[0].id)
         prompts = {f"req{i}": system + [rng.randrange(3, 480) for _ in range(30 + 25 * i)] for i in range(2)}
         threads = [
-            threading.Thread(target=lambda k=k: _quiet(lambda: a.client.complete(prompts[k], LONG, rid=k)))
+            threading.Thread(target=lambda k=k: quiet(lambda: a.client.complete(prompts[k], LONG, rid=k)))
             for k in prompts
         ]
 

@@ -17,10 +17,11 @@ import httpx
 import pytest
 
 from agent import session
-from agent.engines.sglang.serve import Completion, SglangProcess
+from agent.engines.sglang.serve import Completion
+from agent.testing import SglangProcess
 from ckpt import Repository
-from tests.sglang.conftest import Start
-from tests.vllm.test_restore import corrupt_blocks
+from tests.harness.repo import corrupt_blocks
+from tests.harness.sglang import Start
 
 PAGE = 16
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

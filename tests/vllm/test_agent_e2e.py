@@ -15,7 +15,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -27,92 +26,22 @@ import pytest
 from agent import session
 from agent.engines import staging
 from agent.engines.base import token_digest
-from agent.engines.sglang.serve import SglangProcess
-from agent.engines.vllm.serve import ServeProcess
+from agent.testing import ServeProcess
 from ckpt import Repository
-from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port, serve_worker
+from tests.harness.agent import start_agent, write_config
+from tests.harness.cli import CLI, cli
+from tests.harness.net import free_port
+from tests.harness.paths import short_dir
+from tests.harness.vllm import ARGS, ENV, GREEDY, serve_worker
+from tests.harness.waiting import quiet, wait_for
 
 pytestmark = pytest.mark.slow
 LONG = {**GREEDY, "max_tokens": 3000}
 
 
-def write_config(
-    path: Path,
-    *,
-    url: str,
-    worker: ServeProcess | SglangProcess,
-    api: Path,
-    restore: bool,
-    interval: str = "3s",
-    offer_ttl: str = "10m",
-    engine: str = "vllm",
-) -> None:
-    path.write_text(
-        f"""
-worker_id = "w0"
-repository = "{url}"
-engine = "{engine}"
-connector_socket = "{worker.control_socket}"
-worker_url = "{worker.url}"
-log_format = "json"
-
-[api]
-socket = "{api}"
-mode = "0600"
-
-[checkpoint]
-interval = "{interval}"
-stop_deadline = "60s"
-
-[restore]
-on_start = {"true" if restore else "false"}
-wait_for_worker = "2m"
-offer_ttl = "{offer_ttl}"
-
-[retention]
-keep_last = 10
-gc_interval = "1h"
-"""
-    )
-
-
-def start_agent(config: Path, log: Path, api: Path) -> subprocess.Popen[bytes]:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "agent", "run", "--config", str(config)],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"agent exited {p.returncode}:\n{log.read_text()[-3000:]}")
-        if api.exists():
-            r = cli("status", "--agent", str(api), "--json")
-            if r.returncode == 0 and json.loads(r.stdout)["state"] == "ready":
-                return p
-        time.sleep(0.3)
-    p.kill()
-    raise TimeoutError(f"agent not ready:\n{log.read_text()[-3000:]}")
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120)
-
-
-def wait_for(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.25)
-    raise TimeoutError(what)
-
-
 @pytest.fixture(scope="module")
 def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
-    tmp = Path(tempfile.mkdtemp(prefix="gpe2e-", dir="/tmp"))
+    tmp = short_dir("gpe2e-")
     bucket = seaweed.make_bucket(f"e2e-{uuid.uuid4().hex[:10]}")
     url = f"s3://{bucket}/repo?endpoint={seaweed.endpoint}"
     out: dict = {"tmp": tmp, "url": url}
@@ -155,7 +84,7 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
             prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 30 * i)] for i in range(3)}
             threads = [
                 threading.Thread(
-                    target=lambda k=k: _quiet(lambda: a.client.complete(prompts[k], LONG, request_id=k, stream=False))
+                    target=lambda k=k: quiet(lambda: a.client.complete(prompts[k], LONG, request_id=k, stream=False))
                 )
                 for k in prompts
             ]
@@ -220,13 +149,6 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
             if agent.poll() is None:
                 agent.kill()
     return out
-
-
-def _quiet(fn) -> None:  # type: ignore[no-untyped-def]
-    try:
-        fn()
-    except Exception:
-        return
 
 
 def test_periodic_checkpoints_land_and_are_incremental(e2e: dict) -> None:
@@ -296,15 +218,13 @@ def test_cli_restore_dry_run_prints_the_plan_as_json(e2e: dict) -> None:
 def test_launch_starts_a_worker_with_the_connector_and_an_agent_beside_it(tiny_llama: Path) -> None:
     import httpx
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpl-", dir="/tmp"))
+    tmp = short_dir("gpl-")
     port = free_port()
     repo_path = tmp / "repo"
     log = tmp / "launch.log"
     p = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "cli.main",
+            *CLI,
             "launch",
             "--worker-id",
             "w1",

@@ -21,7 +21,7 @@ import pytest
 from agent import session
 from agent.engines import canary
 from ckpt import Repository
-from tests.vllm.test_serve import serve_worker
+from tests.harness.vllm import serve_worker
 
 pytestmark = pytest.mark.slow
 TURN = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}

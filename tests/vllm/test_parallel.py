@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import run_worker
+from tests.harness.vllm import run_worker
 
 pytestmark = pytest.mark.slow
 

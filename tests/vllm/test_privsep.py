@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -32,11 +31,15 @@ import pytest
 
 from agent import session
 from agent.engines.base import token_digest
-from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
+from agent.engines.vllm.serve import kv_transfer_config
+from agent.testing import ServeProcess
 from ckpt import Repository
 from ckpt.keys import KeySource, generate_key
-from tests.vllm.test_agent_e2e import _quiet, cli, wait_for
-from tests.vllm.test_serve import ARGS, ENV, GREEDY, free_port
+from tests.harness.cli import CLI, cli
+from tests.harness.net import free_port
+from tests.harness.paths import ROOT, short_dir
+from tests.harness.vllm import ARGS, ENV, GREEDY
+from tests.harness.waiting import quiet, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -100,14 +103,14 @@ def closed_to_others(*paths: Path) -> Path | None:
 def two_accounts(tiny_llama: Path) -> Iterator[dict]:
     # the worker's account runs the test venv's Python and imports this checkout: both must be
     # reachable for it (the base interpreter is made so below, a venv or checkout in a home is not)
-    closed = closed_to_others(Path(sys.prefix), Path(__file__).resolve().parents[2])
+    closed = closed_to_others(Path(sys.prefix), ROOT)
     if closed is not None:
         pytest.skip(
             f"the worker's and the agent's accounts cannot enter {closed} (mode "
             f"{os.stat(closed).st_mode & 0o777:04o}), where the test venv or this checkout lives: "
             f"check out where other accounts can enter, or `chmod o+x {closed}`"
         )
-    base = Path(tempfile.mkdtemp(prefix="gpps-", dir="/tmp"))
+    base = short_dir("gpps-")
     os.chmod(base, 0o755)  # noqa: S103 - both accounts must reach what is below it
     out: dict = {"base": base}
     model = base / "model"
@@ -186,9 +189,7 @@ gc_interval = "1h"
         p = subprocess.Popen(
             [
                 *as_account(AGENT_UID, AGENT_UID, [KV_GID], base),
-                sys.executable,
-                "-m",
-                "cli.main",
+                *CLI,
                 "agent",
                 "run",
                 "--config",
@@ -197,7 +198,7 @@ gc_interval = "1h"
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=str(Path(__file__).resolve().parents[2]),
+            cwd=str(ROOT),
         )
 
         def ready() -> bool:
@@ -222,7 +223,7 @@ gc_interval = "1h"
             prompts = {f"req{i}": [3 + (7 * i + j) % 500 for j in range(120 + 40 * i)] for i in range(2)}
             threads = [
                 threading.Thread(
-                    target=_quiet, args=(lambda k=k: a.client.complete(prompts[k], LONG, request_id=k, stream=False),)
+                    target=quiet, args=(lambda k=k: a.client.complete(prompts[k], LONG, request_id=k, stream=False),)
                 )
                 for k in prompts
             ]

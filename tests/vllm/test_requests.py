@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import run_worker
-from tests.vllm.worker import REGEX, SCHEMA
+from tests.harness.scripts.vllm_worker import REGEX, SCHEMA
+from tests.harness.vllm import run_worker
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import run_worker
+from tests.harness.repo import corrupt_blocks
+from tests.harness.vllm import run_worker
 
 pytestmark = pytest.mark.slow
 
@@ -69,22 +70,6 @@ def runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         tmp,
     )
     return {"a": a, "b": b, "c": c, "d": d, "flipped": flipped}
-
-
-def corrupt_blocks(path: Path, ref: str, every: int) -> int:
-    """Flip one byte in the middle of every ``every``-th stored block of ``ref``; returns the blocks hit."""
-    from ckpt import Repository
-    from ckpt.pack import pack_name
-
-    m = Repository.open(str(path)).manifest(ref)
-    blobs = {b.blob: b for i, b in enumerate(m.blocks) if i % every == 1}  # a shared blob is flipped once
-    for b in blobs.values():
-        with open(path / pack_name(b.pack), "r+b") as f:
-            f.seek(b.offset + b.length // 2)
-            byte = f.read(1)
-            f.seek(b.offset + b.length // 2)
-            f.write(bytes([byte[0] ^ 0x40]))
-    return sum(b.blob in blobs for b in m.blocks)  # blocks that now fail verification
 
 
 def test_checkpoint_was_mid_decode(runs: dict) -> None:

@@ -25,7 +25,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,14 +36,17 @@ import pytest
 from agent import session
 from agent.engines import canary, control
 from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
-from agent.engines.vllm.serve import ServeProcess
+from agent.testing import ServeProcess
 from ckpt import Repository
-from tests.vllm.test_serve import ARGS as SERVE_ARGS
-from tests.vllm.test_serve import ENV, free_port, serve_worker
+from tests.harness.cli import CLI
+from tests.harness.net import free_port
+from tests.harness.paths import short_dir
+from tests.harness.vllm import ARGS as SERVE_ARGS
+from tests.harness.vllm import ENV, serve_worker
 
 pytestmark = pytest.mark.slow
 
-# test_serve's worker, with the tokenizer (text, chat) and room for every request at once
+# the test workers' flags (tests.harness.vllm), with the tokenizer (text, chat) and room for every request at once
 ARGS = [
     *(a for a in SERVE_ARGS if a != "--skip-tokenizer-init"),
     "--max-num-seqs",
@@ -218,7 +220,7 @@ def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:
 
 
 def worker(model: Path, tmp: Path, name: str) -> ServeProcess:
-    """test_serve's worker (connector and middleware), with the tokenizer, serving the model as "m"."""
+    """A test worker (connector and middleware), with the tokenizer, serving the model as "m"."""
     return serve_worker(model, tmp, name, [*ARGS, "--served-model-name", "m"])
 
 
@@ -386,7 +388,7 @@ def test_a_reused_id_with_another_body_or_tenant_is_never_attached(retried: dict
 
 
 def _launch(model: Path, rdir: Path, repo: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "cli.main", "launch", "--worker-id", "w1", "--runtime-dir", str(rdir)]
+    argv = [*CLI, "launch", "--worker-id", "w1", "--runtime-dir", str(rdir)]
     argv += ["--repo", str(repo), "--", sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     argv += ["--model", str(model), "--port", str(port), *ARGS, "--served-model-name", "m"]
     return subprocess.Popen(
@@ -427,7 +429,7 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
     mid-decode, SIGKILL, a relaunch with the same worker id and repository: the clients' retries,
     sent as soon as the port answers, wait for the agent's restore and get their whole answers,
     and the status reports the restore."""
-    tmp = Path(tempfile.mkdtemp(prefix="gpr-", dir="/tmp"))
+    tmp = short_dir("gpr-")
     model = chat_model(tiny_llama_text, tmp_path_factory.mktemp("launch-model"))
     repo = tmp / "repo"
     reqs = {k: v for k, v in kinds(random.Random(9)).items() if k in ("greedy", "twice", "json", "topp", "logprobs")}
@@ -489,7 +491,7 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
 
         def done() -> dict[str, Any] | None:
             st = subprocess.run(
-                [sys.executable, "-m", "cli.main", "status", "--agent", str(api), "--json"],
+                [*CLI, "status", "--agent", str(api), "--json"],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -522,7 +524,7 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
 def test_gpuckpt_launch_killed_by_sigkill_leaves_no_worker_behind(
     tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="gpk-", dir="/tmp"))
+    tmp = short_dir("gpk-")
     model = chat_model(tiny_llama_text, tmp_path_factory.mktemp("orphan-model"))
     port = free_port()
     log = tmp / "launch.log"

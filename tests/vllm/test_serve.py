@@ -20,52 +20,11 @@ import pytest
 
 from agent import session
 from agent.engines import canary
-from agent.engines.vllm.serve import ServeProcess, kv_transfer_config
+from agent.testing import ServeProcess
 from ckpt import Repository
+from tests.harness.vllm import GREEDY, SEEDED, serve_worker
 
 pytestmark = pytest.mark.slow
-
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONHASHSEED": "0"}
-ARGS = [
-    "--skip-tokenizer-init",
-    "--enforce-eager",
-    "--dtype",
-    "float32",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "1024",
-    "--max-num-seqs",
-    "8",
-    "--seed",
-    "0",
-]
-GREEDY = {"temperature": 0.0, "max_tokens": 700, "ignore_eos": True}
-SEEDED = {"temperature": 1.0, "seed": 4321, "max_tokens": 700, "ignore_eos": True}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def serve_worker(model: Path, tmp: Path, name: str, args: list[str] = ARGS, extra: dict | None = None) -> ServeProcess:
-    """A test worker (not yet ready) whose socket, log and staging are named after ``name`` in ``tmp``;
-    ``extra``: more of the connector's ``kv_connector_extra_config``."""
-    sock, stage = str(tmp / f"{name}.sock"), str(tmp / f"stage-{name}")
-    return ServeProcess(
-        str(model),
-        sock,
-        port=free_port(),
-        log_path=str(tmp / f"{name}.log"),
-        staging_dir=stage,
-        args=args,
-        env=ENV,
-        kv_config=kv_transfer_config(sock, stage, **extra) if extra else None,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ import pytest
 from agent import session
 from agent.engines import canary, control
 from ckpt import Repository
-from tests.vllm.test_serve import GREEDY, serve_worker
+from tests.harness.vllm import GREEDY, serve_worker
 
 pytestmark = pytest.mark.slow
 restore_mod = importlib.import_module("agent.session.restore")  # its privates are patched below

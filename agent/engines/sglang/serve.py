@@ -1,5 +1,6 @@
 """An SGLang server as a gpuckpt worker: the command that starts it with the linker, a client for
-its native ``/generate`` API (the canary and the resubmissions), and the server process.
+its native ``/generate`` API (the canary and the resubmissions). The server as a process the tests
+and benchmarks start is :class:`agent.testing.SglangProcess`.
 
 No SGLang import: this runs on the agent's side. Requests go in and come out as token ids
 (``input_ids``, ``output_ids``), so a server started with ``--skip-tokenizer-init`` works and no
@@ -10,7 +11,6 @@ text round trip can shift a token. A resubmitted request keeps its original ``ri
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from agent.engines.base import Resubmission
-from agent.engines.serving import Completion, ServeError, WorkerProcess, check_response
+from agent.engines.serving import Completion, ServeError, check_response
 from agent.engines.sglang.ledger import SAMPLING_FIELDS
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "Completion",
     "ServeError",
     "SglangClient",
-    "SglangProcess",
     "linker_args",
     "linker_config",
     "serve_command",
@@ -228,45 +227,3 @@ class SglangClient:
                 for r in reqs
             }
             return {rid: f.result() for rid, f in futs.items()}
-
-
-class SglangProcess(WorkerProcess):
-    """An SGLang server with the linker, in its own process group (``kill`` is SIGKILL to the
-    group: SGLang's scheduler and detokenizer are child processes)."""
-
-    def __init__(
-        self,
-        model: str,
-        control_socket: str,
-        *,
-        port: int,
-        log_path: str,
-        python: str = sys.executable,
-        staging_dir: str | None = None,
-        extra_args: Sequence[str] = (),
-        pythonpath: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        host: str = "127.0.0.1",
-    ) -> None:
-        """``pythonpath``: directories put in front of the server's ``PYTHONPATH``; ``env`` is added
-        to this process's environment, with ``SGLANG_USE_CPU_ENGINE=1`` unless it says otherwise."""
-        cmd = serve_command(
-            model,
-            port=port,
-            control_socket=control_socket,
-            host=host,
-            staging_dir=staging_dir,
-            python=python,
-            extra_args=extra_args,
-        )
-        full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
-        paths = [*pythonpath, *([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])]
-        if paths:
-            full_env["PYTHONPATH"] = os.pathsep.join(paths)
-        url = f"http://{host}:{port}"
-        super().__init__(
-            cmd, url=url, control_socket=control_socket, log_path=log_path, client=SglangClient(url), env=full_env
-        )
-
-    def __enter__(self) -> SglangProcess:
-        return self

@@ -50,9 +50,9 @@ from typing import Any
 import httpx
 
 from agent.engines.base import Resubmission
-from agent.engines.serving import Completion, ServeError, WorkerProcess, check_response
+from agent.engines.serving import Completion, ServeError, check_response
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
-from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER, token_path
+from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
 
 log = logging.getLogger("gpuckpt.serve")
 
@@ -383,49 +383,3 @@ class ServeClient:
                 for r in reqs
             }
             return {**left, **{rid: f.result() for rid, f in futs.items()}}
-
-
-class ServeProcess(WorkerProcess):
-    """A ``vllm serve`` worker with the connector, run in its own process group.
-
-    ``stop()`` (and leaving the ``with`` block) kills the whole group: vLLM's
-    EngineCore and worker processes are children that can outlive the API
-    server. ``kill()`` is SIGKILL to the group, as a crash or a preemption
-    would; the worker gets no chance to clean up.
-    """
-
-    def __init__(
-        self,
-        model: str,
-        control_socket: str,
-        *,
-        port: int,
-        log_path: str,
-        staging_dir: str | None = None,
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        host: str = "127.0.0.1",
-        kv_config: dict[str, Any] | None = None,
-        prefix: Sequence[str] = (),
-        inherit_env: bool = True,
-    ) -> None:
-        """``prefix``: argv run before the worker's (e.g. ``setpriv`` to run it as its own account);
-        ``inherit_env=False``: the worker gets ``env`` alone, nothing of this process's environment."""
-        self.staging_dir = staging_dir
-        cmd = serve_command(
-            model, control_socket, host=host, port=port, staging_dir=staging_dir, args=args, kv_config=kv_config
-        )
-        url = f"http://{host}:{port}"
-        super().__init__(
-            [*prefix, *cmd],
-            url=url,
-            control_socket=control_socket,
-            log_path=log_path,
-            client=ServeClient(url, token_file=token_path(control_socket)),
-            env={**(os.environ if inherit_env else {}), **(env or {})},
-            needs_socket=kv_config is None
-            or bool((kv_config.get("kv_connector_extra_config") or {}).get("control_socket")),
-        )
-
-    def __enter__(self) -> ServeProcess:
-        return self

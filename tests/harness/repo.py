@@ -1,20 +1,50 @@
-"""Shared builders for repository-level tests: blocks, pins, a namespace, repos.
+"""Builders for repository-level tests (blocks, pins, namespaces, repositories) and raw looks
+at and damage to what a repository stored.
 
 Kept small and dependency-free beyond ckpt and torch so any test file can
-``from tests.helpers import ...``.
+``from tests.harness.repo import ...``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 from ckpt import Block, HostFacts, Keyring, LoadedBlock, Namespace, Pins, Repository, WorkerFacts
+from ckpt.index import decode_index
+from ckpt.pack import pack_name
 from ckpt.store.base import Store
 
 #: The namespace most tests save into.
 NS = Namespace({"engine": "test", "model": "sha256:" + "ab" * 32, "layout": "nhd-16"})
+
+#: A namespace and pins of no engine (every fact unknown): gc's and retention's tests.
+BARE_NS = Namespace({"model": "gc-test"})
+BARE_PINS = Pins(host=HostFacts(), worker=WorkerFacts())
+
+#: A worker's facts as a document (every field set): a model ``tiny`` on an ``engine`` ``test``.
+WORKER_FACTS = {
+    "engine": "test",
+    "engine_version": "1.0",
+    "attention_backend": "FLASH_ATTN",
+    "kv_layout": "[2,num_blocks,16,4,8]",
+    "block_size": 16,
+    "kv_dtype": "float16",
+    "num_kv_heads": 4,
+    "head_size": 8,
+    "model_runner": "v1",
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "rank": 0,
+    "model": "tiny",
+    "model_revision": "r1",
+    "model_digest": "sha256:" + "ab" * 32,
+    "tokenizer_digest": "absent",
+    "prefix_hash_algo": "sha256",
+    "prefix_hash_seed": "0",
+}
 
 #: The dtypes a KV cache comes in that the tests cover.
 KV_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float32")
@@ -104,3 +134,30 @@ def added_bytes(before: dict[str, int], after: dict[str, int]) -> int:
 
 def by_key(blocks: Iterable[Block | LoadedBlock]) -> dict[bytes, Block | LoadedBlock]:
     return {b.key: b for b in blocks}
+
+
+def pack_ids(store: Store) -> set[str]:
+    """The ids of the packs the store holds (read straight from the store)."""
+    return {o.name.rsplit("/", 1)[-1] for o in store.list("packs/")}
+
+
+def indexed_packs(store: Store) -> set[str]:
+    """Every pack any index document names (read straight from the store)."""
+    out = set()
+    for o in store.list("index/"):
+        out |= {p.id for p in decode_index(o.name, store.get(o.name), None)}
+    return out
+
+
+def corrupt_blocks(path: Path, ref: str, every: int) -> int:
+    """Flip one byte in the middle of every ``every``-th stored block of checkpoint ``ref`` in the
+    local repository at ``path``; returns the blocks hit."""
+    m = Repository.open(str(path)).manifest(ref)
+    blobs = {b.blob: b for i, b in enumerate(m.blocks) if i % every == 1}  # a shared blob is flipped once
+    for b in blobs.values():
+        with open(path / pack_name(b.pack), "r+b") as f:
+            f.seek(b.offset + b.length // 2)
+            byte = f.read(1)
+            f.seek(b.offset + b.length // 2)
+            f.write(bytes([byte[0] ^ 0x40]))
+    return sum(b.blob in blobs for b in m.blocks)  # blocks that now fail verification

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout
 
 from ckpt import Block, GpuckptError, Keyring, Namespace, Pins, Repository, WorkerFacts
 from ckpt.pins import HostFacts

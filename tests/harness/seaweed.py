@@ -1,4 +1,4 @@
-"""A real SeaweedFS S3 server on loopback, for tests (see shared notes s3-test-server.md).
+"""A real SeaweedFS S3 server on loopback, for tests and benchmarks (see shared notes s3-test-server.md).
 
 ``weed mini`` runs master, volume, filer and S3 gateway in one process. Its
 gRPC ports are the HTTP ports + 10000, so every HTTP port is picked below
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,34 @@ SECRET_KEY = "testsecret"
 REGION = "us-east-1"
 MAX_PORT = 55000
 _GRPC_OFFSET = 10000
+#: What a client of the test server finds in its environment.
+S3_ENV = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION}
+# Variables that would steer boto3 away from the test server or its credentials.
+_S3_ENV_CLEARED = (
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "GPUCKPT_S3_ENDPOINT",
+)
+
+
+@contextmanager
+def s3_environ() -> Iterator[None]:
+    """``os.environ`` with the test credentials and nothing that steers boto3 elsewhere; restored after."""
+    saved = {k: os.environ.get(k) for k in (*S3_ENV, *_S3_ENV_CLEARED)}
+    for k in _S3_ENV_CLEARED:
+        os.environ.pop(k, None)
+    os.environ.update(S3_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def find_weed() -> str:

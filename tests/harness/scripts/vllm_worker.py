@@ -1,4 +1,5 @@
-"""A vLLM worker for the tests, run as its own process: ``python worker.py JSON``.
+"""A vLLM worker for the tests, run as its own process: ``python vllm_worker.py JSON``
+(:func:`tests.harness.vllm.run_worker` runs it).
 
 Modes:
 

@@ -1,0 +1,49 @@
+"""Tiny random-weight Llamas that vLLM and SGLang both load (CPU, seconds to generate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_tiny_llama(path: Path, *, dtype: str = "float32", seed: int = 0, bos: int = 1, eos: int = 2) -> Path:
+    """A tiny random-weight Llama (2 layers, 2 KV heads, vocab 512) saved at ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        torch_dtype=dtype,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_tiny_llama_text(path: Path) -> Path:
+    """The tiny random Llama with a tokenizer (byte-level BPE generated with ``tokenizers``), at
+    ``path``: for requests that need text, such as structured outputs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = ['{"name": "alpha", "items": ["beta", "gamma"], "count": 12}', "the quick brown fox jumps"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    return write_tiny_llama(path, seed=1, bos=fast.bos_token_id, eos=fast.eos_token_id)
