@@ -130,7 +130,7 @@ def main() -> None:
                 t.start()
 
         # the capture is pending before the turns are sent: a busy host cannot let the moment pass
-        done = session.checkpoint_around(
+        taken = session.checkpoint_around(
             a_s.control_socket,
             start,
             repo,
@@ -139,7 +139,7 @@ def main() -> None:
             when={"live": len(turn2), "min_outputs": 40},
             timeout=300,
         )
-        m, st = done.manifest, dict(done.stats)
+        m, st = taken.manifest, dict(taken.stats)
     finally:
         a_s.kill()
     assert m.ledger is not None

@@ -84,8 +84,8 @@ def bench_sglang(
         out["checkpoint"] = {}
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
-            done = session.checkpoint(s.control_socket, repo, f"bench-sglang-{name}", generate=s.client.generate)
-            m, st = done.manifest, dict(done.stats)
+            taken = session.checkpoint(s.control_socket, repo, f"bench-sglang-{name}", generate=s.client.generate)
+            m, st = taken.manifest, dict(taken.stats)
             tokens = st["pages"] * PAGE_SIZE
             out["checkpoint"][store] = {
                 "id": m.id,

@@ -79,10 +79,10 @@ def checkpoint(w: ServeProcess, repo: Repository, bound: int, per_step: int, *, 
                 cap.close()
         else:
             t0 = time.monotonic()
-            done = session.checkpoint(
+            taken = session.checkpoint(
                 w.control_socket, repo, "bench", timeout=300, max_staging=bound, copy_per_step=per_step
             )
-            st = dict(done.stats)
+            st = dict(taken.stats)
             st["total_s"] = time.monotonic() - t0
     st["sampled_peak_bytes"] = sampler.peak
     return st
@@ -288,10 +288,10 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
                     t.start()
 
             when = {"live": len(live), "min_outputs": 20}
-            done = session.checkpoint_around(
+            taken = session.checkpoint_around(
                 w.control_socket, go, repo, "bench-r", canary=probe, when=when, timeout=300
             )
-            m = done.manifest
+            m = taken.manifest
         finally:
             w.kill()
 

@@ -124,10 +124,10 @@ def main() -> None:
         # captured at a step boundary where every second turn still runs, as the engine judges
         # it; the capture is pending before the turns are sent, so a busy host cannot miss it
         session.hold(a_w.control_socket, len(turn2), timeout=240)
-        done = session.checkpoint_around(
+        taken = session.checkpoint_around(
             a_w.control_socket, start, repo, "demo-worker", canary=probe, when=when, timeout=240
         )
-        m, st = done.manifest, dict(done.stats)
+        m, st = taken.manifest, dict(taken.stats)
         st["canary_s"] = canary_s
         # from the step boundary on: the capture's wait for the turns to get there is not its cost
         ckpt_s = st["capture_s"] - st["wait_s"] + st["save_s"]

@@ -167,8 +167,8 @@ def bench_model(
         out["checkpoint"] = {}
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
-            done = session.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate)
-            m, st = done.manifest, dict(done.stats)
+            taken = session.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate)
+            m, st = taken.manifest, dict(taken.stats)
             tokens = st["pages"] * 32
             out["checkpoint"][store] = {
                 "id": m.id,

@@ -133,8 +133,8 @@ def main() -> None:
 
         session.hold(w.control_socket, len(bodies), timeout=300)
         when = {"live": len(bodies), "min_outputs": a.cut}
-        done = session.checkpoint_around(w.control_socket, start, repo, "w0", canary=probe, when=when, timeout=900)
-        m = done.manifest
+        taken = session.checkpoint_around(w.control_socket, start, repo, "w0", canary=probe, when=when, timeout=900)
+        m = taken.manifest
         w.kill()
     assert m.ledger is not None
     missing = sum(a.tokens - len(e["output_token_ids"]) for e in m.ledger.data["requests"])

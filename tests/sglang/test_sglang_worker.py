@@ -67,10 +67,10 @@ def checkpointed(start_server: Start, tmp_path_factory: pytest.TempPathFactory) 
             t.start()
             threads.append(t)
 
-    done = session.checkpoint_around(
+    taken = session.checkpoint_around(
         a.control_socket, start, repo, "sglang-a", when=WHEN, timeout=300, generate=a.client.generate
     )
-    m, stats = done.manifest, done.stats
+    m, stats = taken.manifest, taken.stats
     for t in threads:
         t.join(300)
     a.kill()

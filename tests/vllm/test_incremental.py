@@ -49,19 +49,19 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         a.wait_ready()
         probe = canary.record(a.client.generate)
         turn1 = {k: a.client.complete(convs[k], TURN, stream=False) for k in list(convs)[:8]}
-        done = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
-        out["m1"], out["s1"] = done.manifest, done.stats
+        taken = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
+        out["m1"], out["s1"] = taken.manifest, taken.stats
         # about 10 % new KV: one more conversation
         turn1["c8"] = a.client.complete(convs["c8"], TURN, stream=False)
-        done = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
-        out["m2"], out["s2"] = done.manifest, done.stats
+        taken = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
+        out["m2"], out["s2"] = taken.manifest, taken.stats
         out["loads"] = {"m1": loads_whole(repo, out["m1"]), "m2": loads_whole(repo, out["m2"])}
         # keys the connector holds for durable, gone from the repository
         for info in repo.list():
             repo.delete(info.id)
         repo.gc(now=True, grace=timedelta(0))
-        done = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
-        out["m3"], out["s3"] = done.manifest, done.stats
+        taken = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
+        out["m3"], out["s3"] = taken.manifest, taken.stats
         out["loads"]["m3"] = loads_whole(repo, out["m3"])
         nxt = {k: convs[k] + turn1[k].token_ids + toks(16) for k in ("c0", "c8")}
         out["reference"] = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in nxt.items()}
@@ -79,8 +79,8 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         out["resumed"] = {k: b.client.complete(p, TURN, stream=False) for k, p in nxt.items()}
         out["prompts"] = nxt
         # the restore's offered keys are durable: the restored worker's first checkpoint copies little
-        done = session.checkpoint(b.control_socket, repo, "w0", canary=probe)
-        out["m4"], out["s4"] = done.manifest, done.stats
+        taken = session.checkpoint(b.control_socket, repo, "w0", canary=probe)
+        out["m4"], out["s4"] = taken.manifest, taken.stats
         out["loads"]["m4"] = loads_whole(repo, out["m4"])
     return out
 

@@ -34,7 +34,8 @@ import httpx
 import pytest
 
 from agent import session
-from agent.engines import canary, control
+from agent.engines import canary
+from agent.engines.channel import WorkerChannel
 from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
 from agent.testing import ServeProcess
 from ckpt import Repository
@@ -253,8 +254,8 @@ def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                 t.start()
 
         when = {"live": live, "min_outputs": 40}
-        done = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
-        m = done.manifest
+        taken = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
+        m = taken.manifest
         for t in threads:
             t.join(600)
         assert not errors, errors
@@ -416,7 +417,7 @@ def _healthy(url: str) -> bool:
 def _kill_all(launch: subprocess.Popen[bytes], sock: Path) -> None:
     """SIGKILL the launch process group and the worker's (launch starts it in a session of its own)."""
     with contextlib.suppress(Exception):
-        os.killpg(os.getpgid(int(control.call(str(sock), "ping")["pid"])), signal.SIGKILL)
+        os.killpg(os.getpgid(WorkerChannel(str(sock)).ping().pid), signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(launch.pid, signal.SIGKILL)
     launch.wait()
@@ -533,7 +534,7 @@ def test_gpuckpt_launch_killed_by_sigkill_leaves_no_worker_behind(
     pgid = None
     try:
         _until(lambda: _healthy(f"http://127.0.0.1:{port}") and sock.exists(), 240, "the launched worker", p, log)
-        pgid = os.getpgid(int(control.call(str(sock), "ping")["pid"]))
+        pgid = os.getpgid(WorkerChannel(str(sock)).ping().pid)
         assert pgid != os.getpgid(p.pid), "the worker runs in a session of its own"
         os.kill(p.pid, signal.SIGKILL)  # the supervisor alone: nothing of it runs after this
         p.wait()

@@ -68,8 +68,8 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         # before the requests are sent, and is taken at the first step boundary
         # where every request has 40 outputs, as the engine's scheduler judges it.
         when = {"live": len(prompts), "min_outputs": 40}
-        done = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=240)
-        m = done.manifest
+        taken = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=240)
+        m = taken.manifest
         for t in threads:
             t.join(300)
         assert not errors, errors

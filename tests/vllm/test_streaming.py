@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 
 from agent import session
-from agent.engines import canary, control
+from agent.engines import canary
+from agent.engines.channel import WorkerChannel
 from ckpt import Repository
 from tests.harness.vllm import GREEDY, serve_worker
 
@@ -107,7 +108,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             for t in threads:
                 t.start()
 
-        done = session.checkpoint_around(
+        taken = session.checkpoint_around(
             a.control_socket,
             start,
             repo,
@@ -117,7 +118,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             timeout=240,
             max_staging=bound,
         )
-        m, out["stats"] = done.manifest, done.stats
+        m, out["stats"] = taken.manifest, taken.stats
         done.set()
         sampler.join()
         out["sampled_peak"] = peak[0]
@@ -126,7 +127,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         out["loaded"] = sum(1 for _ in repo.load(m.id, errors=errors))
         out["load_errors"] = errors
         reqs = [{"token_ids": convs[k] + turn1[k], "kv_tokens": len(convs[k]) + len(turn1[k]) - 1} for k in convs]
-        out["conv_keys"] = control.call(a.control_socket, "keys", requests=reqs)["keys"]
+        out["conv_keys"] = WorkerChannel(a.control_socket).keys(reqs).keys
         for t in threads:
             t.join(300)
         out["reference"] = {f"cmpl-{k}-0": results[k].token_ids for k in live}  # by the server's request ids
