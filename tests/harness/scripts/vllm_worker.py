@@ -270,8 +270,8 @@ def main() -> None:
         eng.add_request("seeded0", TokensPrompt(prompt_token_ids=prompts["seeded0"]), seeded)
         outs = {}
         drain(llm, outs, until=lambda o: len(o) == 4 and min(len(v["tokens"]) for v in o.values()) >= 40)
-        done = session.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
-        m, st = done.manifest, done.stats
+        taken = session.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
+        m, st = taken.manifest, taken.stats
         res["canary"] = m.canary
         res["checkpoint"] = m.id
         res["checkpoint_stats"] = st
