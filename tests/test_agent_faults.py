@@ -127,7 +127,7 @@ def test_agent_sigkilled_mid_upload(short_tmp: Path) -> None:
                 time.sleep(0.005)
         os.kill(p.pid, signal.SIGKILL)  # mid-upload
         p.wait()
-        left = sorted(x.name for x in (short_tmp / "stage").glob("cap-*"))
+        left = sorted(x.name for x in (short_tmp / "stage").glob("capture-*"))
         assert left, "the killed agent's capture page file should still be there"
         repo = Repository.open(str(short_tmp / "repo"))
         assert [i.id for i in repo.list("w0")] == [first["checkpoint"]], "no partial checkpoint is visible"
@@ -136,7 +136,7 @@ def test_agent_sigkilled_mid_upload(short_tmp: Path) -> None:
         p = start()
         # the restarted agent had the connector delete what the killed one left staged (users' KV)
         assert fake.swept >= 1
-        assert not set(left) & {x.name for x in (short_tmp / "stage").glob("cap-*")}
+        assert not set(left) & {x.name for x in (short_tmp / "stage").glob("capture-*")}
         with AgentClient(api) as c:
             st = c.request("GET", "/status")
             assert st["state"] == "ready"

@@ -159,7 +159,7 @@ def _moved(tmp: Path, index: Path, where: Path) -> Path:
 def test_the_staging_directory_as_configured_is_read(rig: tuple[Path, FakeConnector]) -> None:
     tmp, fake = rig
     _capture(tmp, fake)
-    assert not list((tmp / "stage").glob("cap-*")), "a read chunk is deleted"
+    assert not list((tmp / "stage").glob("capture-*")), "a read chunk is deleted"
 
 
 def test_a_page_file_outside_staging_is_refused_and_left_alone(rig: tuple[Path, FakeConnector]) -> None:

@@ -1,0 +1,129 @@
+"""The vLLM connector's scheduler half on CPU, with vLLM's own scheduler and no engine process.
+
+:class:`tests.harness.workers.VllmHalves` steps vLLM's real ``Scheduler`` with
+the connector and its worker half on CPU tensors; only the forward is
+missing (a toy runner samples token 7). What is checked here is what the
+halves do with vLLM's state: the pages a capture copies are the request's own
+blocks, the keys are vLLM's block hashes, an offered page lands in the blocks
+vLLM allocates for a matching request, a hold holds, and the ranks' reports
+arrive through the per-step metadata.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.engines import staging
+from tests.harness.paths import short_dir
+
+pytest.importorskip("vllm")
+
+from tests.harness.workers import BLOCK, LAYERS, VllmHalves
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.harness.models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def halves(model: Path) -> Iterator[VllmHalves]:
+    d = short_dir("half-")
+    h = VllmHalves(model, d / "c.sock", d / "stage")
+    # every block of every layer holds its own id: a copied page says where it came from
+    for t in h.caches.values():
+        for b in range(t.shape[0]):
+            t[b] = float(b)
+    yield h
+    h.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def page_of(h: VllmHalves, block: int) -> bytes:
+    return b"".join(h.caches[name][block].numpy().tobytes() for name in LAYERS)
+
+
+def test_the_ranks_report_through_the_step_metadata_not_a_file(halves: VllmHalves) -> None:
+    layout = halves.channel.describe().layout
+    assert [r["rank"] for r in layout["ranks"]] == [0]
+    assert layout["ranks"][0]["page_shape"] == list(halves.worker.page_shape())
+    assert not list(Path(halves.half.staging_dir).glob("worker-r*")), "no side channel"
+    assert halves.worker.report is None, "once the scheduler half has it, the rank stops sending it"
+
+
+def test_a_capture_copies_a_live_requests_own_blocks_and_names_it_in_the_ledger(halves: VllmHalves) -> None:
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks and a tail
+    req = halves.add_request("r1", prompt)
+    halves.channel.wait(when={"live": 1, "min_outputs": 2}, timeout=30)
+    cap = halves.channel.capture(timeout=30)
+    ledger = cap.ledger
+    assert ledger is not None
+    [entry] = ledger["data"]["requests"]
+    assert entry["request_id"] == "r1"
+    assert entry["prompt_token_ids"] == prompt
+    pf = staging.PageFile(str(cap.get("index")), mapped=False)
+    blocks = halves.block_ids("r1")
+    for i, h in enumerate(req.block_hashes[:2]):
+        assert bytes(pf.page(bytes(h))) == page_of(halves, blocks[i]), f"block {i} is the request's own"
+    assert len(pf.index.keys) == 3, "two full blocks and the partial tail"
+    pf.close()
+    halves.channel.cancel(cap.seq)
+
+
+def test_keys_are_vllms_block_hashes(halves: VllmHalves) -> None:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    toks = list(range(100, 140))
+    ref = Request("x", toks, SamplingParams(max_tokens=1), None, block_hasher=halves.hasher)
+    [keys] = halves.channel.keys([{"token_ids": toks, "kv_tokens": 32}]).keys
+    assert list(keys) == [bytes(h).hex() for h in ref.block_hashes[:2]]
+
+
+def test_an_offered_page_lands_in_the_blocks_vllm_allocates_for_a_matching_request(
+    halves: VllmHalves, tmp_path: Path
+) -> None:
+    toks = list(range(200, 240))
+    [keys] = halves.channel.keys([{"token_ids": toks, "kv_tokens": 2 * BLOCK}]).keys
+    offer = short_dir("offer-")
+    shape, dtype = halves.worker.stored_shape(), halves.worker.dtype()
+    w = staging.PageWriter(offer, "restore-1", dtype=dtype, page_shape=shape, layers=[n for n, _ in halves.worker.kv])
+    pages = [torch.full(shape, 42.0 + i).numpy().tobytes() for i in range(2)]
+    for k, p in zip(keys, pages, strict=True):
+        w.write(bytes.fromhex(k), p)
+    w.commit()
+    try:
+        assert halves.channel.offer(index=str(w.index_path), ttl=60).offered == 2
+        halves.add_request("restored", toks)
+        deadline = time.monotonic() + 30
+        while not halves.channel.stats()["restored_tokens"].get("restored"):
+            assert time.monotonic() < deadline, "the offered pages were never matched"
+            time.sleep(0.02)
+        assert halves.channel.stats()["restored_tokens"]["restored"] == 2 * BLOCK
+        blocks = halves.block_ids("restored")
+        assert [page_of(halves, b) for b in blocks[:2]] == pages
+        halves.channel.withdraw()
+    finally:
+        shutil.rmtree(offer, ignore_errors=True)
+
+
+def test_a_hold_holds_new_requests_until_they_have_all_arrived(halves: VllmHalves) -> None:
+    halves.channel.hold(2, timeout=30)
+    halves.add_request("a", list(range(1, 20)))
+    step = halves.channel.stats()["step"]
+    while halves.channel.stats()["step"] < step + 5:  # five step boundaries: a held request waits through them
+        time.sleep(0.01)
+    assert halves.channel.stats()["live"] == 1
+    assert halves.block_ids("a") == [], "held: nothing allocated yet"
+    halves.add_request("b", list(range(30, 50)))
+    halves.channel.wait(when={"live": 2, "min_outputs": 1}, timeout=30)
+    assert halves.block_ids("a")
+    assert halves.block_ids("b")

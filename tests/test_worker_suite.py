@@ -1,0 +1,78 @@
+"""The worker conformance suite (``tests/worker_suite.py``) against every worker side."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.engines.channel import WorkerChannel
+from tests.fake_connector import PAGE_SHAPE, FakeConnector
+from tests.harness.paths import short_dir
+from tests.harness.sglang import find_sglang_python
+from tests.worker_suite import Subject, WorkerTests
+
+
+def _where() -> Iterator[Path]:
+    d = short_dir("wsuite-")
+    (d / "offer").mkdir(mode=0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+where = pytest.fixture(_where)
+#: a worker started once per class (the suite's tests end what they offer or capture)
+class_where = pytest.fixture(scope="class")(_where)
+
+
+class TestFake(WorkerTests):
+    @pytest.fixture
+    def subject(self, where: Path) -> Iterator[Subject]:
+        fake = FakeConnector(where / "c.sock", where / "stage")
+        channel = WorkerChannel(fake.sock)
+        yield Subject(channel, where / "stage", where / "offer", PAGE_SHAPE, "float32", ["l0", "l1"], "vllm")
+        fake.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("vllm")
+    from tests.harness.models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+class TestVllmSchedulerHalf(WorkerTests):
+    @pytest.fixture(scope="class")
+    def subject(self, class_where: Path, model: Path) -> Iterator[Subject]:
+        where = class_where
+        from tests.harness.workers import VllmHalves
+
+        h = VllmHalves(model, where / "c.sock", where / "stage")
+        yield Subject(h.channel, where / "stage", where / "offer", h.page_shape, h.dtype, h.layers, "vllm")
+        h.close()
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    py, why = find_sglang_python()
+    if why is None:
+        return py
+    if os.environ.get("GPUCKPT_REQUIRE_SGLANG") == "1":
+        pytest.fail(f"GPUCKPT_REQUIRE_SGLANG=1: {why}")
+    pytest.skip(why)
+
+
+class TestSglangLinker(WorkerTests):
+    @pytest.fixture(scope="class")
+    def subject(self, class_where: Path, sglang_python: str) -> Iterator[Subject]:
+        where = class_where
+        from tests.harness.workers import SglangLinkerHost
+
+        h = SglangLinkerHost(sglang_python, where / "c.sock", where / "stage", where / "linker.log")
+        shape = SglangLinkerHost.PAGE_SHAPE
+        yield Subject(h.channel, where / "stage", where / "offer", shape, "float32", ["layer.0", "layer.1"], "sglang")
+        h.close()
