@@ -47,7 +47,7 @@ need to catch this tree::
 
     Defined in the agent beside what raises them, all in this tree:
     agent.fs.UnsafePath (a ConfigError: a path another account could control),
-    agent.daemon.api.AgentApiError (the agent answered an error status),
+    agent.daemon.client.AgentApiError (the agent answered an error status),
     agent.engines.vllm.connector.InjectedFault (a test's injected hook failure).
 
 Exit codes for the CLI are assigned in exactly one place, :mod:`cli.exitcodes`.

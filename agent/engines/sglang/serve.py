@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from agent.engines.base import Resubmission
 from agent.engines.serving import Completion, ServeError, check_response
 from agent.engines.sglang.ledger import SAMPLING_FIELDS
+from agent.engines.types import Resubmission
 
 __all__ = [
     "CPU_ARGS",

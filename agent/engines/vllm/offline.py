@@ -9,7 +9,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 
-from agent.engines.base import Resubmission
+from agent.engines.types import Resubmission
 
 
 def submit(llm: Any, requests: list[Resubmission]) -> None:

@@ -51,7 +51,7 @@ from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
 from agent.engines import staging
-from agent.engines.base import token_digest
+from agent.engines.types import token_digest
 from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
 from agent.engines.vllm.ledger import client_id

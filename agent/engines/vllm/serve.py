@@ -4,7 +4,7 @@ and to resubmit a restored ledger.
 
 The connector's control socket works the same under ``vllm serve`` as under
 an offline ``vllm.LLM`` (it lives in the EngineCore process either way), so
-:func:`agent.engines.driver.checkpoint` and ``restore`` need nothing
+:func:`agent.session.checkpoint` and ``restore`` need nothing
 serve-specific; what differs is how requests get back into the engine:
 
 * **Request ids.** The server turns a completion's id into
@@ -49,8 +49,9 @@ from typing import Any
 
 import httpx
 
-from agent.engines.base import Resubmission
+from agent import fs
 from agent.engines.serving import Completion, ServeError, check_response
+from agent.engines.types import Resubmission
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
 from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
 
@@ -293,8 +294,6 @@ class ServeClient:
             return None
         if self._token is not None:
             return self._token
-        from agent import fs
-
         try:
             fd = fs.open_checked(self._token_file, directory=None, trust=self._trust or fs.Trust.of())
         except FileNotFoundError:
