@@ -24,8 +24,6 @@ def _where() -> Iterator[Path]:
 
 
 where = pytest.fixture(_where)
-#: a worker started once per class (the suite's tests end what they offer or capture)
-class_where = pytest.fixture(scope="class")(_where)
 
 
 class TestFake(WorkerTests):
@@ -45,15 +43,23 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
-class TestVllmSchedulerHalf(WorkerTests):
-    @pytest.fixture(scope="class")
-    def subject(self, class_where: Path, model: Path) -> Iterator[Subject]:
-        where = class_where
-        from tests.harness.workers import VllmHalves
+@pytest.fixture(scope="module")
+def vllm_subject(model: Path) -> Iterator[Subject]:
+    """Started once (the suite's tests end what they offer or capture)."""
+    from tests.harness.workers import VllmHalves
 
-        h = VllmHalves(model, where / "c.sock", where / "stage")
-        yield Subject(h.channel, where / "stage", where / "offer", h.page_shape, h.dtype, h.layers, "vllm")
-        h.close()
+    gen = _where()
+    where = next(gen)
+    h = VllmHalves(model, where / "c.sock", where / "stage")
+    yield Subject(h.channel, where / "stage", where / "offer", h.page_shape, h.dtype, h.layers, "vllm")
+    h.close()
+    next(gen, None)
+
+
+class TestVllmSchedulerHalf(WorkerTests):
+    @pytest.fixture
+    def subject(self, vllm_subject: Subject) -> Subject:
+        return vllm_subject
 
 
 @pytest.fixture(scope="session")
@@ -66,13 +72,21 @@ def sglang_python() -> str:
     pytest.skip(why)
 
 
-class TestSglangLinker(WorkerTests):
-    @pytest.fixture(scope="class")
-    def subject(self, class_where: Path, sglang_python: str) -> Iterator[Subject]:
-        where = class_where
-        from tests.harness.workers import SglangLinkerHost
+@pytest.fixture(scope="module")
+def sglang_subject(sglang_python: str) -> Iterator[Subject]:
+    """Started once (see vllm_subject)."""
+    from tests.harness.workers import SglangLinkerHost
 
-        h = SglangLinkerHost(sglang_python, where / "c.sock", where / "stage", where / "linker.log")
-        shape = SglangLinkerHost.PAGE_SHAPE
-        yield Subject(h.channel, where / "stage", where / "offer", shape, "float32", ["layer.0", "layer.1"], "sglang")
-        h.close()
+    gen = _where()
+    where = next(gen)
+    h = SglangLinkerHost(sglang_python, where / "c.sock", where / "stage", where / "linker.log")
+    shape = SglangLinkerHost.PAGE_SHAPE
+    yield Subject(h.channel, where / "stage", where / "offer", shape, "float32", ["layer.0", "layer.1"], "sglang")
+    h.close()
+    next(gen, None)
+
+
+class TestSglangLinker(WorkerTests):
+    @pytest.fixture
+    def subject(self, sglang_subject: Subject) -> Subject:
+        return sglang_subject
