@@ -10,7 +10,7 @@ SGPY     = $(SGVENV)/bin/python
 SGSTAMP  = $(SGVENV)/.installed
 ENGINE  ?= vllm
 
-.PHONY: test lint check bench bench-vllm bench-retries demo demo-repo clean sglang-venv
+.PHONY: test lint check bench bench-vllm bench-retries bench-overhead demo demo-repo clean sglang-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,10 @@ bench-vllm: $(STAMP) $(SGSTAMP)
 # What a restart costs the clients: retries served from restored continuations ÷ a cold restart.
 bench-retries: $(STAMP)
 	$(PY) bench/vllm_retries.py
+
+# what loading gpuckpt costs a worker that is not being checkpointed (issue 24)
+bench-overhead: $(STAMP)
+	$(PY) bench/vllm_step_overhead.py
 
 clean:
 	rm -rf $(VENV) $(SGVENV) .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -63,6 +63,7 @@ class WorkerProcess:
             os.close(fd)
         self.client = client
         self.started = time.monotonic()
+        self.killed = False
 
     def wait_ready(self, timeout: float = 300.0) -> float:
         """Wait for the API and the control socket; returns seconds since start."""
@@ -87,6 +88,11 @@ class WorkerProcess:
             return ""
 
     def kill(self) -> None:
+        """SIGKILL to the whole group, once: the group's id is the leader's pid, which the system
+        may give to another process once the leader is reaped."""
+        if self.killed:
+            return
+        self.killed = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()

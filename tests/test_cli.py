@@ -19,36 +19,19 @@ from typing import Any
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner, Result
+from typer.testing import Result
 
 import ckpt
 from ckpt.lock import Lock
 from ckpt.pins import HostFacts, Pins, WorkerFacts
 from cli import exitcodes
-from cli.main import app
+from tests.harness.cli import CLI
+from tests.harness.cli import invoke as run
+from tests.harness.paths import ROOT
+from tests.harness.repo import WORKER_FACTS
 
-ROOT = Path(__file__).resolve().parent.parent
 NS = ckpt.Namespace({"engine": "test", "model": "tiny"})
-WORKER = WorkerFacts(
-    engine="test",
-    engine_version="1.0",
-    attention_backend="FLASH_ATTN",
-    kv_layout="[2,num_blocks,16,4,8]",
-    block_size=16,
-    kv_dtype="float16",
-    num_kv_heads=4,
-    head_size=8,
-    model_runner="v1",
-    tensor_parallel_size=1,
-    pipeline_parallel_size=1,
-    rank=0,
-    model="tiny",
-    model_revision="r1",
-    model_digest="sha256:" + "ab" * 32,
-    tokenizer_digest="absent",
-    prefix_hash_algo="sha256",
-    prefix_hash_seed="0",
-)
+WORKER = WorkerFacts.model_validate(WORKER_FACTS)
 LEDGER = {"schema": "gpuckpt-vllm-ledger", "version": 2, "data": {"requests": [{"id": "a"}, {"id": "b"}]}}
 
 
@@ -88,10 +71,6 @@ def repo_dir(tmp_path: Path, here: HostFacts) -> tuple[Path, ckpt.Manifest]:
     return path, m
 
 
-def run(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
-
-
 def as_json(result: Result) -> Any:
     return json.loads(result.stdout)
 
@@ -121,7 +100,7 @@ def sub(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCKPT_")}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args],
+        [*CLI, *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

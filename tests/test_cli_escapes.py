@@ -16,23 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner, Result
 
 import ckpt
 from ckpt import lock as lock_mod
 from ckpt.pins import Pins, WorkerFacts
 from cli._common import safe as _safe
-from cli.main import app
+from tests.harness.cli import invoke as run
 from tests.harness.repo import WORKER_FACTS
 
 # Clear screen, set the window title (OSC … BEL), C1 CSI, a right-to-left override,
 # NUL, DEL, a line separator.
 EVIL = "\x1b[2J\x1b]0;t\x07\x9b1m\u202e\x00\x7f\u2028"
 SHOWN = r"\x1b[2J\x1b]0;t\x07\x9b1m\u202e\x00\x7f\u2028"
-
-
-def run(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
 
 
 def raw_controls(text: str) -> list[str]:

@@ -14,6 +14,7 @@ import random
 import signal
 import threading
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from tests.harness.agent import start_agent, write_config
 from tests.harness.cli import cli
 from tests.harness.paths import short_dir
 from tests.harness.sglang import Start
-from tests.harness.waiting import quiet, wait_for
+from tests.harness.waiting import concurrently, quiet, wait_for
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -94,7 +95,9 @@ def e2e(start_server: Start) -> dict[str, Any]:
             out["restore_b"] = c.request("GET", "/restore")
             out["plan_b"] = c.request("GET", f"/restore/plan?checkpoint={out['final'].id}")
         # the uninterrupted reference, on the same fresh server
-        out["reference"] = {k: b.client.complete(p, LONG, rid=f"ref-{k}").token_ids for k, p in out["prompts"].items()}
+        # together: the server decodes them in one step each, as it did the restored continuations
+        refs = concurrently({k: partial(b.client.complete, p, LONG, rid=f"ref-{k}") for k, p in out["prompts"].items()})
+        out["reference"] = {k: c.token_ids for k, c in refs.items()}
         agent.send_signal(signal.SIGTERM)
         out["agent_b_exit"] = agent.wait(120)
     finally:

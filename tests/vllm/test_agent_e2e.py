@@ -18,7 +18,9 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import ExitStack
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -33,14 +35,14 @@ from tests.harness.cli import CLI, cli
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
 from tests.harness.vllm import ARGS, ENV, GREEDY, serve_worker
-from tests.harness.waiting import quiet, wait_for
+from tests.harness.waiting import concurrently, quiet, wait_for
 
 pytestmark = pytest.mark.slow
 LONG = {**GREEDY, "max_tokens": 3000}
 
 
 @pytest.fixture(scope="module")
-def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
+def e2e(tiny_llama: Path, seaweed, module_cleanup: ExitStack) -> dict:  # type: ignore[no-untyped-def]
     tmp = short_dir("gpe2e-")
     bucket = seaweed.make_bucket(f"e2e-{uuid.uuid4().hex[:10]}")
     url = f"s3://{bucket}/repo?endpoint={seaweed.endpoint}"
@@ -61,6 +63,10 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
     repo = Repository.open(url, create=True)
     # -- worker A with its agent: periodic checkpoints, then SIGTERM with requests in flight.
     with worker("a") as a:
+        # B starts once A is up, while A works, on another CPU: an engine start costs ~20 s here,
+        # and B is still fresh when its turn comes
+        b_early = serve_worker(tiny_llama, tmp, "b", [*ARGS, "--max-model-len", "4096"], cpu=1)
+        module_cleanup.enter_context(b_early)
         api = tmp / "agent-a.sock"
         write_config(tmp / "a.toml", url=url, worker=a, api=api, restore=False)
         agent = start_agent(tmp / "a.toml", tmp / "agent-a.log", api)
@@ -105,7 +111,8 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
         out["final"] = repo.manifest(final.id)
         a.kill()
     # -- worker B with a fresh agent: restore at start.
-    with worker("b") as b:
+    with b_early as b:
+        b.wait_ready()
         api = tmp / "agent-b.sock"
         # No periodic checkpoints on B: with retention they would forget A's
         # final checkpoint, which the CLI is asked about below.
@@ -132,9 +139,14 @@ def e2e(tiny_llama: Path, seaweed) -> dict:  # type: ignore[no-untyped-def]
                 time.sleep(0.2)
             out["restore_stage_after"] = sorted(p.name for p in stage.iterdir()) if stage.is_dir() else []
             # The uninterrupted reference, on the same fresh worker: the same requests from their prompts.
-            out["reference"] = {
-                k: b.client.complete(p, LONG, request_id=f"ref-{k}", stream=False).token_ids for k, p in prompts.items()
-            }
+            # together: the engine decodes them in one step each, as it did the restored continuations
+            refs = concurrently(
+                {
+                    k: partial(b.client.complete, p, LONG, request_id=f"ref-{k}", stream=False)
+                    for k, p in prompts.items()
+                }
+            )
+            out["reference"] = {k: c.token_ids for k, c in refs.items()}
             out["cli_restore_dry_run"] = cli(
                 "restore", final.id, "--repo", url, "--connector-socket", b.control_socket, "--dry-run", "--json"
             )

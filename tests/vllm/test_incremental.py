@@ -13,6 +13,7 @@ Every checkpoint loads whole; a restore from the last continues token-exact.
 from __future__ import annotations
 
 import random
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def loads_whole(repo: Repository, m) -> bool:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-incr")
     repo = Repository.open(str(tmp / "repo"), create=True)
     rng = random.Random(5)
@@ -47,6 +48,9 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out: dict = {}
     with serve_worker(tiny_llama, tmp, "a") as a:
         a.wait_ready()
+        # B starts once A is up, while A works, on another CPU: an engine start costs ~20 s here,
+        # and B is still fresh when its turn comes
+        b_early = module_cleanup.enter_context(serve_worker(tiny_llama, tmp, "b", cpu=1))
         probe = canary.record(a.client.generate)
         turn1 = {k: a.client.complete(convs[k], TURN, stream=False) for k in list(convs)[:8]}
         taken = session.checkpoint(a.control_socket, repo, "w0", canary=probe)
@@ -66,7 +70,7 @@ def incr(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         nxt = {k: convs[k] + turn1[k].token_ids + toks(16) for k in ("c0", "c8")}
         out["reference"] = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in nxt.items()}
         a.kill()
-    with serve_worker(tiny_llama, tmp, "b") as b:
+    with b_early as b:
         b.wait_ready()
         out["plan"] = session.restore(
             repo,

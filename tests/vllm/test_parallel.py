@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.vllm import run_worker
+from tests.harness.vllm import run_worker, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,20 @@ def runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     a = worker("a", mode="checkpoint", tp=2)
     bad = drop_rank(base["repo"], a["checkpoint"], 1)
     b = worker("b", mode="restore", tp=2, checkpoint=a["checkpoint"], turn1=a["turn1"], extra_restores=[bad])
-    c = worker("c", mode="restore", tp=1, checkpoint=a["checkpoint"], turn1=a["turn1"])
-    d = worker("d", mode="checkpoint", tp=1)
+    # c and d (one rank each, independent of each other) side by side, on CPUs of their own
+    one_rank = {
+        "c": {"mode": "restore", "tp": 1, "checkpoint": a["checkpoint"], "turn1": a["turn1"]},
+        "d": {"mode": "checkpoint", "tp": 1},
+    }
+    done = run_workers(
+        {
+            n: {**base, "socket": str(tmp / f"{n}.sock"), "staging": str(tmp / f"stage-{n}"), **j}
+            for n, j in one_rank.items()
+        },
+        tmp,
+        kill_after_result=True,
+    )
+    c, d = done["c"], done["d"]
     e = worker("e", mode="restore", tp=2, checkpoint=d["checkpoint"], turn1=d["turn1"])
     return {"a": a, "b": b, "c": c, "d": d, "e": e, "bad": bad, "repo": base["repo"]}
 

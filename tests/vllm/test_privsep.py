@@ -25,6 +25,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ from tests.harness.cli import CLI, cli
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT, short_dir
 from tests.harness.vllm import ARGS, ENV, GREEDY
-from tests.harness.waiting import quiet, wait_for
+from tests.harness.waiting import concurrently, quiet, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -265,9 +266,14 @@ gc_interval = "1h"
 
             with AgentClient(api) as c:
                 out["restore"] = c.request("GET", "/restore")
-            out["reference"] = {
-                k: b.client.complete(p, LONG, request_id=f"ref-{k}", stream=False).token_ids for k, p in prompts.items()
-            }
+            # together: the engine decodes them in one step each, as it did the restored continuations
+            refs = concurrently(
+                {
+                    k: partial(b.client.complete, p, LONG, request_id=f"ref-{k}", stream=False)
+                    for k, p in prompts.items()
+                }
+            )
+            out["reference"] = {k: c.token_ids for k, c in refs.items()}
         finally:
             if ag is not None and ag.poll() is None:
                 ag.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.repo import corrupt_blocks
-from tests.harness.vllm import run_worker
+from tests.harness.vllm import run_worker, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -29,46 +29,44 @@ def runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         tmp,
         kill_after_result=True,
     )
-    b = run_worker(
-        {
-            **base,
-            "mode": "restore",
-            "socket": str(tmp / "b.sock"),
-            "staging": str(tmp / "stage-b"),
-            "checkpoint": a["checkpoint"],
-            "turn1": a["turn1"],
-            # The warm restore names the connector only: the plugin entry point resolves it.
-            "by_name": True,
-        },
-        tmp,
-    )
-    c = run_worker(
-        {
-            **base,
-            "mode": "restore",
-            "socket": str(tmp / "c.sock"),
-            "staging": str(tmp / "stage-c"),
-            "checkpoint": a["checkpoint"],
-            "block_size": 64,
-        },
-        tmp,
-    )
     bad = tmp / "repo-bad"
     shutil.copytree(base["repo"], bad)
     flipped = corrupt_blocks(bad, a["checkpoint"], every=4)
-    d = run_worker(
+    # b, c and d each restore a's checkpoint in a fresh engine: side by side, on CPUs of their own
+    done = run_workers(
         {
-            **base,
-            "repo": str(bad),
-            "mode": "restore",
-            "socket": str(tmp / "d.sock"),
-            "staging": str(tmp / "stage-d"),
-            "checkpoint": a["checkpoint"],
-            # after the corrupted restore, restore again through a wrong-answering probe
-            "canary_fault": True,
+            "b": {
+                **base,
+                "mode": "restore",
+                "socket": str(tmp / "b.sock"),
+                "staging": str(tmp / "stage-b"),
+                "checkpoint": a["checkpoint"],
+                "turn1": a["turn1"],
+                # The warm restore names the connector only: the plugin entry point resolves it.
+                "by_name": True,
+            },
+            "c": {
+                **base,
+                "mode": "restore",
+                "socket": str(tmp / "c.sock"),
+                "staging": str(tmp / "stage-c"),
+                "checkpoint": a["checkpoint"],
+                "block_size": 64,
+            },
+            "d": {
+                **base,
+                "repo": str(bad),
+                "mode": "restore",
+                "socket": str(tmp / "d.sock"),
+                "staging": str(tmp / "stage-d"),
+                "checkpoint": a["checkpoint"],
+                # after the corrupted restore, restore again through a wrong-answering probe
+                "canary_fault": True,
+            },
         },
         tmp,
     )
+    b, c, d = done["b"], done["c"], done["d"]
     return {"a": a, "b": b, "c": c, "d": d, "flipped": flipped}
 
 

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -220,13 +221,15 @@ def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:
     return path
 
 
-def worker(model: Path, tmp: Path, name: str) -> ServeProcess:
+def worker(model: Path, tmp: Path, name: str, cpu: int = 0) -> ServeProcess:
     """A test worker (connector and middleware), with the tokenizer, serving the model as "m"."""
-    return serve_worker(model, tmp, name, [*ARGS, "--served-model-name", "m"])
+    return serve_worker(model, tmp, name, [*ARGS, "--served-model-name", "m"], cpu=cpu)
 
 
 @pytest.fixture(scope="module")
-def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def retried(
+    tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack
+) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("vllm-retries")
     model = chat_model(tiny_llama_text, tmp)
     repo = Repository.open(str(tmp / "repo"), create=True)
@@ -234,6 +237,9 @@ def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     out: dict[str, Any] = {"kinds": reqs}
     with worker(model, tmp, "a") as a:
         a.wait_ready()
+        # B starts once A is up, while A works, on another CPU: an engine start costs ~20 s here,
+        # and B is still fresh when its turn comes
+        b_early = module_cleanup.enter_context(worker(model, tmp, "b", cpu=1))
         probe = canary.record(a.client.generate)
         ref: dict[str, Any] = {}
         errors: list[BaseException] = []
@@ -261,7 +267,7 @@ def retried(tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         assert not errors, errors
         out["checkpoint"], out["reference"] = m, ref
         a.kill()
-    with worker(model, tmp, "b") as b:
+    with b_early as b:
         b.wait_ready()
         plan = session.restore(
             repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate

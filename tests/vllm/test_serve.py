@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-serve")
     repo = Repository.open(str(tmp / "repo"), create=True)
     rng = random.Random(11)
@@ -37,12 +38,15 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     prompts["seeded"] = system + [rng.randrange(3, 512) for _ in range(90)]
     sampling = {k: (SEEDED if k == "seeded" else GREEDY) for k in prompts}
 
-    def worker(name: str) -> ServeProcess:
-        return serve_worker(tiny_llama, tmp, name)
+    def worker(name: str, cpu: int = 0) -> ServeProcess:
+        return serve_worker(tiny_llama, tmp, name, cpu=cpu)
 
     out: dict = {"prompts": prompts}
     with worker("a") as a:
         a.wait_ready()
+        # B starts once A is up, while A works, on another CPU: an engine start costs ~20 s here,
+        # and B is still fresh when its turn comes
+        b_early = module_cleanup.enter_context(worker("b", cpu=1))
         # The canary is probed before the traffic: between the moment the requests are
         # far enough and the capture, nothing may run that lets them finish first.
         probe = canary.record(a.client.generate)
@@ -76,7 +80,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         out["checkpoint"] = m
         out["reference"] = {k: prompts[k] + results[k].token_ids for k in prompts}
         a.kill()  # SIGKILL to the whole group, as a preemption would
-    with worker("b") as b:
+    with b_early as b:
         b.wait_ready()
         plan = session.restore(
             repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate

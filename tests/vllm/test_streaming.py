@@ -30,6 +30,7 @@ import importlib
 import random
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ import pytest
 from agent import session
 from agent.engines import canary
 from agent.engines.channel import WorkerChannel
+from agent.testing import ServeProcess
 from ckpt import Repository
 from tests.harness.vllm import GREEDY, serve_worker
 
@@ -62,7 +64,7 @@ def staged_bytes(d: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-stream")
     repo = Repository.open(str(tmp / "repo"), create=True)
     rng = random.Random(23)
@@ -73,8 +75,23 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     convs = {f"c{i}": toks(200 + 16 * i) for i in range(12)}
     live = {f"live{i}": toks(150 + 40 * i) for i in range(2)}
     out: dict = {"convs": convs, "live": live}
+    early: dict[str, ServeProcess] = {}
+    # the restoring worker after each (and on the other CPU): started while that one works
+    following = {"b": ("c", 0), "c": ("d", 1), "d": ("e", 0)}
+
+    def start_early(name: str, cpu: int) -> None:
+        """A restoring worker, started before its turn: an engine start costs ~20 s here, and the
+        worker is still fresh when its turn comes."""
+        early[name] = module_cleanup.enter_context(serve_worker(tiny_llama, tmp, name, cpu=cpu))
+
+    def worker(name: str) -> ServeProcess:
+        if name in following:
+            start_early(*following[name])
+        return early.pop(name)
+
     with serve_worker(tiny_llama, tmp, "a") as a:
         a.wait_ready()
+        start_early("b", 1)
         probe = canary.record(a.client.generate)
         turn1 = {k: a.client.complete(p, TURN, stream=False).token_ids for k, p in convs.items()}
         layout = session.describe(a.control_socket).layout
@@ -140,7 +157,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
     def restore_into(name: str, late: bool = False, each: bool = False) -> dict:
         res: dict = {}
-        with serve_worker(tiny_llama, tmp, name) as w, pytest.MonkeyPatch.context() as mp:
+        with worker(name) as w, pytest.MonkeyPatch.context() as mp:
             w.wait_ready()
             stage = tmp / f"restore-{name}"
             gate = threading.Event()
@@ -218,7 +235,7 @@ def streamed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         res: dict = {}
         nxt = out["next_prompt"]
         mine = [bytes.fromhex(k) for k in out["conv_keys"][3]]
-        with serve_worker(tiny_llama, tmp, name) as w, pytest.MonkeyPatch.context() as mp:
+        with worker(name) as w, pytest.MonkeyPatch.context() as mp:
             w.wait_ready()
             mp.setattr(restore_rest, "RESTORE_CHUNK_BYTES", 4 * out["page"])
             mp.setattr(restore_rest, "WANT_S", 120.0)  # what the test checks is the order, not a race with the wait
