@@ -17,7 +17,10 @@ No test module imports another test module; what two tests share lives here, and
 ``sglang``      the SGLang interpreter and test servers with the linker
 ``seaweed``     a real SeaweedFS S3 server on loopback
 ``metadata``    fake cloud metadata services (preemption notices)
-``scripts/``    programs the tests run as processes (an offline vLLM worker, a soak writer)
+``workers``     worker sides without an engine process, for the worker conformance suite: vLLM's
+                scheduler and the connector's halves on CPU, the SGLang linker on CPU pools
+``scripts/``    programs the tests run as processes (an offline vLLM worker, the SGLang linker's
+                host, a soak writer)
 
 The worker processes themselves (:class:`agent.testing.ServeProcess`, ``SglangProcess``) are a
 shipped kit: :mod:`agent.testing`.
