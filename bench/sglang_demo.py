@@ -139,7 +139,7 @@ def main() -> None:
             when={"live": len(turn2), "min_outputs": 40},
             timeout=300,
         )
-        m, st = taken.manifest, dict(taken.stats)
+        m, st = taken.manifest, dict[str, Any](taken.stats)
     finally:
         a_s.kill()
     assert m.ledger is not None

@@ -85,7 +85,7 @@ def bench_sglang(
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
             taken = session.checkpoint(s.control_socket, repo, f"bench-sglang-{name}", generate=s.client.generate)
-            m, st = taken.manifest, dict(taken.stats)
+            m, st = taken.manifest, dict[str, Any](taken.stats)
             tokens = st["pages"] * PAGE_SIZE
             out["checkpoint"][store] = {
                 "id": m.id,

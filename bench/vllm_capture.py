@@ -177,8 +177,10 @@ def run_scale(model: Path, tmp: Path, prompts: int, rng: random.Random, a: argpa
         fill(max(1, prompts // 10))
 
         def pre() -> dict[str, Any]:
-            return session.precopy(
-                w.control_socket, repo, timeout=300, copy_per_step=a.precopy_kib * 1024, trust_domain="bench"
+            return dict(
+                session.precopy(
+                    w.control_socket, repo, timeout=300, copy_per_step=a.precopy_kib * 1024, trust_domain="bench"
+                )
             )
 
         with_pre, (pc, secs) = rate(w.control_socket, during=pre)
@@ -321,7 +323,7 @@ def run_restore(model: Path, tmp: Path, rng: random.Random, a: argparse.Namespac
                 firsts = [c.first_token_s for c in res.values() if c.first_token_s is not None]
                 first, median, last = min(firsts), statistics.median(firsts), max(firsts)
                 plan.wait_offered(600)
-                rest = dict(plan.rest.stats) if plan.rest is not None else {}
+                rest: dict[str, Any] = dict(plan.rest.stats) if plan.rest is not None else {}
                 cached = {
                     k: (c.cached_tokens, len(r.token_ids))
                     for r in plan.requests

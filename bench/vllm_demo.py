@@ -127,7 +127,7 @@ def main() -> None:
         taken = session.checkpoint_around(
             a_w.control_socket, start, repo, "demo-worker", canary=probe, when=when, timeout=240
         )
-        m, st = taken.manifest, dict(taken.stats)
+        m, st = taken.manifest, dict[str, Any](taken.stats)
         st["canary_s"] = canary_s
         # from the step boundary on: the capture's wait for the turns to get there is not its cost
         ckpt_s = st["capture_s"] - st["wait_s"] + st["save_s"]

@@ -168,7 +168,7 @@ def bench_model(
         for store, url in repos.items():
             repo = Repository.open(url, create=True)
             taken = session.checkpoint(w.control_socket, repo, f"bench-{name}", generate=w.client.generate)
-            m, st = taken.manifest, dict(taken.stats)
+            m, st = taken.manifest, dict[str, Any](taken.stats)
             tokens = st["pages"] * 32
             out["checkpoint"][store] = {
                 "id": m.id,

@@ -136,6 +136,9 @@ class WorkerHalf:
                 self.runner = obj
             f = f.f_back  # type: ignore[assignment]
         self.report = self._describe_rank()
+        # the staging directory exists (private, or the shared group's) from the start, not from the
+        # first capture: an agent of another account checks it before it trusts a page file there
+        staging.ensure_dir(self.staging_dir, self.trust)
         log.info(
             "gpuckpt: rank %d/%d, %d layers, page shape %s %s, heads %s; runner %s",
             self.rank,
