@@ -19,6 +19,7 @@ import pytest
 
 from tests.harness.paths import short_dir
 from tests.harness.seaweed import SeaweedServer, find_weed, s3_environ
+from tests.harness.sglang import find_sglang_python
 
 _bucket_seq = itertools.count()
 # the suite's gc and unlock calls judge locks stale in seconds (refused outside tests: ckpt.lock);
@@ -76,3 +77,15 @@ def module_cleanup() -> Iterator[ExitStack]:
     starts while another works): ``module_cleanup.enter_context(worker)``."""
     with ExitStack() as stack:
         yield stack
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """SGLang's interpreter. Without it the test is skipped, saying so, unless
+    ``GPUCKPT_REQUIRE_SGLANG=1`` (then it fails naming what is missing)."""
+    py, why = find_sglang_python()
+    if why is None:
+        return py
+    if os.environ.get("GPUCKPT_REQUIRE_SGLANG") == "1":
+        pytest.fail(f"GPUCKPT_REQUIRE_SGLANG=1: {why}")
+    pytest.skip(why)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,6 @@ import pytest
 from agent.engines.channel import WorkerChannel
 from tests.fake_connector import PAGE_SHAPE, FakeConnector
 from tests.harness.paths import short_dir
-from tests.harness.sglang import find_sglang_python
 from tests.worker_suite import Subject, WorkerTests
 
 
@@ -60,16 +58,6 @@ class TestVllmSchedulerHalf(WorkerTests):
     @pytest.fixture
     def subject(self, vllm_subject: Subject) -> Subject:
         return vllm_subject
-
-
-@pytest.fixture(scope="session")
-def sglang_python() -> str:
-    py, why = find_sglang_python()
-    if why is None:
-        return py
-    if os.environ.get("GPUCKPT_REQUIRE_SGLANG") == "1":
-        pytest.fail(f"GPUCKPT_REQUIRE_SGLANG=1: {why}")
-    pytest.skip(why)
 
 
 @pytest.fixture(scope="module")

@@ -7,24 +7,13 @@ Without SGLang's interpreter the tests are skipped, saying so, unless ``GPUCKPT_
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.harness.models import write_tiny_llama
-from tests.harness.sglang import Servers, Start, find_sglang_python
-
-
-@pytest.fixture(scope="session")
-def sglang_python() -> str:
-    py, why = find_sglang_python()
-    if why is None:
-        return py
-    if os.environ.get("GPUCKPT_REQUIRE_SGLANG") == "1":
-        pytest.fail(f"GPUCKPT_REQUIRE_SGLANG=1: {why}")
-    pytest.skip(why)
+from tests.harness.sglang import Servers, Start
 
 
 @pytest.fixture(scope="session")
