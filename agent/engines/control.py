@@ -58,9 +58,8 @@ log = logging.getLogger(__name__)
 class ControlError(EngineRefused):
     """The worker's adapter refused or failed a control call, or the channel broke; the message says which.
 
-    A :class:`ckpt.errors.EngineRefused` (exit code of an unavailable worker)
-    and, for callers written against the first slice, a ``RuntimeError``. A
-    socket nobody answers on is :class:`ckpt.errors.WorkerUnreachable` (also
+    A :class:`ckpt.errors.EngineRefused` (exit code of an unavailable worker).
+    A socket nobody answers on is :class:`ckpt.errors.WorkerUnreachable` (also
     an ``OSError``).
     """
 

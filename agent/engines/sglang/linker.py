@@ -558,7 +558,7 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
                 for path, _ in plan:
                     pf = self._files.get(path)
                     if pf is None:
-                        raise RuntimeError(f"page file {path} is no longer offered")
+                        raise staging.PageFileError(f"page file {path} is no longer offered")
                     files.append(pf)
                 raw = [bytes(pf.page(kb)) for pf, (_, kb) in zip(files, plan, strict=True)]
             host = torch.frombuffer(bytearray(b"".join(raw)), dtype=torch.uint8).view(dtype)
