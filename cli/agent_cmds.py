@@ -1,6 +1,6 @@
-"""``gpuckpt agent run``, ``checkpoint``, ``status``, ``restore`` and ``launch``.
+"""``gpuckpt agent run``, ``agent ready``, ``checkpoint``, ``status``, ``restore`` and ``launch``.
 
-``checkpoint`` and ``status`` ask a running agent over its control socket
+``agent ready``, ``checkpoint`` and ``status`` ask a running agent over its control socket
 (``--agent``, default ``$GPUCKPT_AGENT_SOCKET``); ``restore`` works without an
 agent, straight against a worker's connector socket; ``launch`` starts a
 ``vllm serve`` worker with the connector configured and an agent beside it.
@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,7 +32,7 @@ from agent.daemon import config as config_mod
 from ckpt.logfmt import JsonFormatter, TextFormatter
 from cli import exitcodes
 from cli._common import console, kv_table, open_repo, repo_url, safe, settings, show
-from cli.options import JsonOpt
+from cli.options import JsonOpt, duration
 
 AGENT_ENV = "GPUCKPT_AGENT_SOCKET"
 
@@ -93,6 +94,26 @@ def agent_run(
     raise typer.Exit(agent_mod.Agent(cfg).run())
 
 
+@agent_app.command("ready")
+def agent_ready(agent: AgentOpt = None, json_: JsonOpt = False) -> None:
+    """Exit 0 once the agent's restore at start has finished and the worker answers (a readiness probe).
+
+    Otherwise exit 7, naming what is awaited (the agent's start, the restore
+    at start, the worker's API); an agent that does not answer is exit 7 too.
+    """
+    with _client(agent) as c:
+        r = _call(c, "GET", "/ready")
+    if json_:
+        typer.echo(json.dumps(r))
+    elif r["ready"]:
+        outcome = (r.get("restore") or {}).get("outcome") or "none"
+        typer.echo(safe(f"ready (restore at start: {outcome})"))
+    if not r["ready"]:
+        if not json_:
+            typer.echo(safe("not ready: awaiting " + "; ".join(r["awaiting"])), err=True)
+        raise typer.Exit(exitcodes.UNAVAILABLE)
+
+
 def _setup_daemon_logging(fmt: str) -> None:
     h = logging.StreamHandler(sys.stdout)
     h.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -112,13 +133,31 @@ def checkpoint_cmd(
     drain: Annotated[
         bool, typer.Option("--drain", help="Trigger as a planned drain (recorded in the labels).")
     ] = False,
+    timeout: Annotated[
+        timedelta | None,
+        typer.Option(
+            "--timeout",
+            parser=duration,
+            metavar="DURATION",
+            show_default=False,
+            help="With --wait: stop waiting after this long and exit 1 (the agent goes on with the checkpoint).",
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Ask the agent for a checkpoint now (joins one that has not captured yet)."""
+    if timeout is not None and not wait:
+        raise typer.BadParameter("--timeout bounds --wait; pass both", param_hint="--timeout")
     with _client(agent) as c:
         t = _call(c, "POST", "/checkpoint", {"trigger": "drain" if drain else "request"})
         if wait:
-            t = _wait_ticket(c, t, show=not json_)
+            end = None if timeout is None else time.monotonic() + timeout.total_seconds()
+            t = _wait_ticket(c, t, show=not json_, end=end)
+    if t["state"] not in ("done", "failed") and wait:
+        raise ckpt.GpuckptError(
+            f"checkpoint ticket {t['id']} not done within {timeout.total_seconds() if timeout else 0:g} s "
+            f"(state {t['state']}); the agent goes on with it"
+        )
     if t["state"] == "failed":  # one line (or, with --json, one JSON error document) from the handler
         raise ckpt.GpuckptError(f"checkpoint failed (ticket {t['id']}): {t['error']}")
     if json_:
@@ -129,7 +168,8 @@ def checkpoint_cmd(
         typer.echo(safe(f"checkpoint ticket {t['id']} {t['state']}; `gpuckpt status` shows its progress"))
 
 
-def _wait_ticket(c: Any, t: dict[str, Any], *, show: bool) -> dict[str, Any]:
+def _wait_ticket(c: Any, t: dict[str, Any], *, show: bool, end: float | None = None) -> dict[str, Any]:
+    """Poll ticket ``t`` until it is done or failed, or (``end``, a monotonic time) until then."""
     from rich.progress import Progress, TextColumn  # late: ~15 ms of start-up, for --wait only
 
     with Progress(
@@ -137,7 +177,9 @@ def _wait_ticket(c: Any, t: dict[str, Any], *, show: bool) -> dict[str, Any]:
     ) as bar:
         task = bar.add_task("checkpoint: pending")
         while t["state"] not in ("done", "failed"):
-            time.sleep(0.25)
+            if end is not None and time.monotonic() >= end:
+                break
+            time.sleep(0.25 if end is None else max(0.0, min(0.25, end - time.monotonic())))
             t = _call(c, "GET", f"/checkpoint/{t['id']}")
             p = t.get("progress") or {}
             desc = f"checkpoint: {p.get('phase', t['state'])}"

@@ -4,6 +4,9 @@
 method   path                        answer
 =======  ==========================  ===========================================
 GET      /health                     ``{"ok", "state", "worker_attached"}``
+GET      /ready                      ``{"ready", "awaiting", "state", "restore", "worker"}``: the
+                                     restore at start has finished (warm, cold or failed) and
+                                     the worker answers (:func:`readiness`; a readiness probe)
 GET      /status                     the agent's status (:meth:`agent.daemon.agent.Agent.status`)
 POST     /checkpoint                 body ``{"trigger": "request"|"drain"}`` (optional);
                                      ``202`` with the ticket (joined or new)
@@ -64,12 +67,14 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
+
 from agent import fs, session
 from agent.daemon.client import AgentApiError, AgentClient
 from agent.daemon.config import AgentConfig
 from agent.engines.base import Engine
 from agent.slots import Conn, Slots
-from ckpt import CheckpointNotFound, EngineError, Manifest, Policy, Repository
+from ckpt import CheckpointNotFound, EngineError, GpuckptError, Manifest, Policy, Repository
 
 __all__ = [
     # the CLI's client, for importers written before agent.daemon.client
@@ -413,6 +418,8 @@ def route(agent: AgentPort, method: str, path: str, query: dict[str, list[str]],
     path = path.rstrip("/") or "/"
     if method == "GET" and path == "/health":
         return HTTPStatus.OK, {"ok": agent.healthy(), "state": agent.state, "worker_attached": agent.worker["attached"]}
+    if method == "GET" and path == "/ready":
+        return HTTPStatus.OK, readiness(agent)
     if method == "GET" and path == "/status":
         return HTTPStatus.OK, agent.status()
     if path == "/checkpoint":
@@ -444,6 +451,65 @@ def route(agent: AgentPort, method: str, path: str, query: dict[str, list[str]],
     if method == "GET" and path == "/restore/plan":
         return HTTPStatus.OK, restore_plan(agent, (query.get("checkpoint") or ["latest"])[0])
     raise ApiError(HTTPStatus.NOT_FOUND, f"no such endpoint: {method} {path}")
+
+
+#: how long ``/ready`` waits for the worker's answer: a probe's period is seconds
+READY_WORKER_TIMEOUT = 2.0
+
+
+def readiness(agent: AgentPort) -> dict[str, Any]:
+    """Whether the worker may take traffic, as far as the agent can tell (``GET /ready``; the
+    Kubernetes chart's readiness probe, ``gpuckpt agent ready``).
+
+    Ready once the agent has started and its restore at start has finished —
+    warm, cold or failed (a failed one is reported, not waited on forever: the
+    worker serves cold) — and the worker answers now: its API's ``/health``
+    (``worker_url``), or without one its adapter's control socket. Never ready
+    while the agent stops. ``awaiting`` names each thing not yet there; the
+    document is always a 200 (the caller decides what not-ready means).
+    """
+    awaiting: list[str] = []
+    state = agent.state
+    report = agent.restore_report
+    # without the per-request results (large; GET /restore has them), as the status has it
+    rr = {k: v for k, v in report.to_json().items() if k != "results"} if report is not None else None
+    if state == "stopping":
+        awaiting.append("a new start: the agent is stopping")
+    elif state == "restoring":
+        what = f" of checkpoint {rr['checkpoint']}" if rr is not None and rr.get("checkpoint") else ""
+        awaiting.append(f"the restore at start{what}")
+    elif state != "ready":
+        awaiting.append(f"the agent's start (state {state})")
+    worker: dict[str, Any] = {"answers": False, "error": None}
+    if state == "ready":  # the worker is asked only once nothing else is awaited: a probe costs it little
+        worker["error"] = _worker_error(agent)
+        worker["answers"] = worker["error"] is None
+        if worker["error"] is not None:
+            awaiting.append(f"the worker ({worker['error']})")
+    return {
+        "ready": not awaiting,
+        "awaiting": awaiting,
+        "state": state,
+        "restore": rr,
+        "worker": worker,
+    }
+
+
+def _worker_error(agent: AgentPort) -> str | None:
+    """None when the worker answers: its API's ``/health`` with 200, or (no ``worker_url``) its
+    adapter's description over the control socket; else why not, in a few words."""
+    url = agent.cfg.worker_url
+    if url:
+        try:
+            r = httpx.get(url.rstrip("/") + "/health", timeout=READY_WORKER_TIMEOUT)
+        except httpx.HTTPError as exc:
+            return f"{url} does not answer: {type(exc).__name__}"
+        return None if r.status_code == HTTPStatus.OK else f"{url}/health answered {r.status_code}"
+    try:
+        session.describe(agent.engine)
+    except (OSError, GpuckptError) as exc:
+        return f"its control socket does not answer: {exc}"
+    return None
 
 
 def restore_plan(agent: AgentPort, ref: str) -> dict[str, Any]:
