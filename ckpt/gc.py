@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ckpt import checksum as cks
+from ckpt import claims
 from ckpt.blobstore import BlobStore
 from ckpt.errors import (
     CheckpointNotFound,
@@ -47,6 +48,8 @@ class GcReport:
     rewritten_indexes: int = 0
     removed_locks: int = 0
     removed_debris: int = 0
+    # claim objects of checkpoints that are gone (ckpt/claims.py), older than the grace period
+    removed_claims: int = 0
     dry_run: bool = False
     exclusive: bool = False  # gc --now: saves waited for, deletes at once
     # condemned by this gc: deleted by a later one, once no save can still reference them
@@ -186,6 +189,7 @@ def collect(
         # _repack counted what repacking frees (old size − live bytes copied)
         report.reclaimed_bytes += report.deleted_bytes
         report.removed_debris = blobs.store.cleanup(cutoff)
+        report.removed_claims = len(claims.sweep(blobs.store, older_than=cutoff))
         report.removed_locks = len(remove_stale_locks(blobs.store, stale_lock_after, keep=held.name))
     log.info(
         "gc done",

@@ -3,15 +3,21 @@ worker, always the newest, and deletes the other manifests only; ``gc`` reclaims
 
 Checkpoints are ordered by the store's clock, future-dated ones are ignored, and a checkpoint
 whose manifest does not read is neither counted as kept nor deleted (FORMAT.md §6).
+
+Claims (FORMAT.md §13, :mod:`ckpt.claims`): a checkpoint with a claim and no ``done`` — being
+restored by a replacement worker, or about to be — is never forgotten. A worker whose newest
+checkpoint is ``done`` (adopted: its sessions went on in the adopter) is *retired*: neither its
+newest nor its last ``keep_last`` are kept for it any more, only those within ``keep_within``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
+from ckpt import claims
 from ckpt.blobstore import BlobStore
 from ckpt.errors import CheckpointNotFound, ConfigError, FormatError, IntegrityError
 from ckpt.lock import Lock
@@ -41,7 +47,10 @@ def forget(
     by_worker: dict[str, list[CheckpointInfo]] = {}
     for c in _readable(blobs, by_store_time(blobs.store, worker_id, MAX_CLOCK_SKEW)):
         by_worker.setdefault(c.worker_id, []).append(c)
-    doomed = expired(by_worker.values(), keep_last=keep_last, keep_within=keep_within, now=now)
+    claimed, adopted = claims.protected(blobs.store)
+    retired = {w for w, cps in by_worker.items() if (w, cps[-1].id) in adopted}
+    doomed = expired(by_worker.values(), keep_last=keep_last, keep_within=keep_within, now=now, retired=retired)
+    doomed = [c for c in doomed if (c.worker_id, c.id) not in claimed]
     if doomed and not dry_run:
         with Lock(blobs.store, exclusive=False, operation="forget"):
             for c in doomed:
@@ -50,15 +59,22 @@ def forget(
 
 
 def expired(
-    workers: Iterable[list[CheckpointInfo]], *, keep_last: int | None, keep_within: timedelta | None, now: datetime
+    workers: Iterable[list[CheckpointInfo]],
+    *,
+    keep_last: int | None,
+    keep_within: timedelta | None,
+    now: datetime,
+    retired: Collection[str] = (),
 ) -> list[CheckpointInfo]:
     """The policy: of each worker's checkpoints (oldest first), those neither the newest, nor
-    among the newest ``keep_last``, nor created within ``keep_within`` of ``now``."""
+    among the newest ``keep_last``, nor created within ``keep_within`` of ``now``; of a
+    ``retired`` worker's (adopted), those not created within ``keep_within``."""
     doomed = []
     for cps in workers:
+        gone = bool(cps) and cps[0].worker_id in retired
         for i, c in enumerate(reversed(cps)):
-            keep = i == 0
-            keep |= keep_last is not None and i < keep_last
+            keep = i == 0 and not gone
+            keep |= keep_last is not None and i < keep_last and not gone
             keep |= keep_within is not None and now - c.created <= keep_within
             if not keep:
                 doomed.append(c)

@@ -227,7 +227,11 @@ class Agent:
                 self.cfg.worker_id,
                 session.CheckpointOptions(
                     trust_domain=self.trust_domain,
-                    labels={"trigger": ",".join(sorted(set(t.triggers)))},
+                    # the pool's label: a replacement of another name finds this checkpoint by it (ckpt/claims.py)
+                    labels={
+                        "trigger": ",".join(sorted(set(t.triggers))),
+                        **({"pool": self.cfg.pool} if self.cfg.pool else {}),
+                    },
                     timeout=c.capture_timeout.total_seconds(),
                     max_staging=c.max_staging,
                     copy_per_step=c.copy_per_step,

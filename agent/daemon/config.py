@@ -27,6 +27,7 @@ Example (``systemd/agent.example.toml`` is the annotated version)::
 
     [restore]
     on_start = true
+    # adopt = "claim"     # with pool = "<deployment>" and trust_domain = "<deployment>"
 
     [retention]
     keep_last = 3
@@ -43,7 +44,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from agent.engines import registry
@@ -162,6 +172,24 @@ class RestoreConfig(_Section):
         description="host memory the restored pages may take while offered; blocks past it are not offered "
         "(default: half the staging filesystem's free space)",
     )
+    adopt: Literal["none", "claim"] = Field(
+        "none",
+        description="'claim': with no checkpoint of its own to restore, adopt the newest orphaned final "
+        "checkpoint (stop, drain, preemption) of this worker's pool, claimed in the repository so that exactly "
+        "one new worker adopts each (ckpt/claims.py; a Deployment's pods); 'none': only this worker's own",
+    )
+    claim_lease: Duration = Field(
+        timedelta(minutes=5),
+        description="how long a claim holds without renewal (renewed every quarter of it while the restore "
+        "runs); a claimant that died is taken over after it, by the repository's clock",
+    )
+
+    @field_validator("claim_lease")
+    @classmethod
+    def _lease(cls, v: timedelta) -> timedelta:
+        if not 10 <= v.total_seconds() <= 86400:
+            raise ValueError("must be between 10s and 1d")
+        return v
 
 
 class RetentionConfig(_Section):
@@ -190,6 +218,13 @@ class AgentConfig(BaseSettings):
         description="the workers whose checkpoints may share blocks by key and restore each other's: "
         "by default this worker alone (its worker_id); a tenant or a fleet that trusts its workers may "
         "share one (docs/agent.md, trust domains)",
+    )
+    pool: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="the pool of interchangeable workers this one belongs to (a Deployment's name): its "
+        "checkpoints are labelled with it, and with restore.adopt = 'claim' a new worker adopts the pool's "
+        "orphaned final checkpoints",
     )
     repository: str
     key: str | None = Field(None, description="key source: file:/path or env:NAME")
@@ -241,6 +276,15 @@ class AgentConfig(BaseSettings):
             if not sep or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"{v!r} is not host:port")
         return v
+
+    @model_validator(mode="after")
+    def _adoption(self) -> AgentConfig:
+        if self.restore.adopt == "claim" and (self.pool is None or self.trust_domain is None):
+            raise ValueError(
+                "restore.adopt = 'claim' needs pool and a trust_domain the pool's workers share (e.g. "
+                "trust_domain = pool): a checkpoint restores only within its trust domain"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -1,6 +1,15 @@
 """Restore at start: this worker's newest checkpoint (or the configured one) into the worker the
 agent attaches to, warm or cold with replay, and the report ``GET /restore`` serves.
 
+With ``restore.adopt = "claim"`` (a pool's workers, new names on every replacement) the
+checkpoint is claimed first (:mod:`ckpt.claims`): this worker's own newest if it has one, else
+the newest orphaned final checkpoint of its pool that it wins the claim of; the claim is
+renewed while the restore runs, marked done when it finished (warm or cold: a cold restore
+replays the ledger, so the checkpoint's sessions went on here and must not be replayed again
+elsewhere), and released when nothing was restored (the worker never answered, the restore
+failed before its plan), so that another worker takes it. The report names the adopted
+checkpoint, its original worker and the claim.
+
 The restore and the resubmission are :mod:`agent.session`'s, as the CLI's
 ``gpuckpt restore`` uses them; what is the daemon's is when they run (the
 rest of a streaming restore and the resubmitted requests each on a thread of
@@ -25,7 +34,8 @@ from agent.daemon.metrics import Metrics
 from agent.daemon.reporting import describe_error, now
 from agent.engines.base import Engine
 from agent.engines.types import CanaryStats, RestorePlan, Resubmission, ServingClient
-from ckpt import GpuckptError, ObjectNotFound, Policy, Repository
+from ckpt import GpuckptError, ObjectNotFound, Policy, Repository, claims
+from ckpt.manifest import CheckpointInfo
 
 __all__ = ["RestoreAtStart", "RestoreReport"]
 
@@ -57,6 +67,10 @@ class RestoreReport:
     resubmission: Mapping[str, Any] | None = None
     left_to_client: Mapping[str, str] = field(default_factory=dict)
     results: Mapping[str, Mapping[str, Any]] | None = None
+    #: the checkpoint adopted by a claim: its original worker, the claim's name and state
+    adopted: Mapping[str, Any] | None = None
+    #: checkpoints looked at for adoption and passed over, each with why
+    passed_over: tuple[str, ...] = ()
 
     def to_json(self, *, results: bool = True) -> dict[str, Any]:
         """The report; without ``results`` (large: ``GET /restore`` has them) for the status."""
@@ -83,6 +97,10 @@ class RestoreReport:
             out["left_to_client"] = dict(self.left_to_client)
         if results and self.results is not None:
             out["results"] = {k: dict(v) for k, v in self.results.items()}
+        if self.adopted is not None:
+            out["adopted"] = dict(self.adopted)
+        if self.passed_over:
+            out["passed_over"] = list(self.passed_over)
         return out
 
 
@@ -116,6 +134,9 @@ class RestoreAtStart:
         self._on_error = on_error
         self._lock = threading.Lock()
         self._report: RestoreReport | None = None
+        self._claim: claims.Claim | None = None
+        self._parts = 0  # the threads still running for a claimed restore (the rest, the resubmission)
+        self._verdict: tuple[str, str] = ("", "")
 
     @property
     def report(self) -> RestoreReport | None:
@@ -137,16 +158,37 @@ class RestoreAtStart:
         t0 = time.monotonic()
         with self._lock:
             self._report = RestoreReport(started_at=now())
-        try:
-            info = self.repo.resolve(ref)
-        except (ObjectNotFound, GpuckptError) as exc:
-            self.metrics.restores.labels(outcome="none", reason="no checkpoint").inc()
-            log.info("no checkpoint to restore", extra={"ref": ref})
-            return self._update(outcome="none", reasons=(f"nothing to restore: {describe_error(exc)}",))
+        if cfg.restore.adopt == "claim" and cfg.restore.checkpoint == "latest":
+            try:
+                found = self._claimed()
+            except GpuckptError as exc:
+                self.metrics.restores.labels(outcome="failed", reason=type(exc).__name__).inc()
+                log.error("could not claim a checkpoint", extra={"error": describe_error(exc)})
+                return self._update(outcome="failed", reasons=(f"claiming a checkpoint: {describe_error(exc)}",))
+            if found is None:
+                self.metrics.restores.labels(outcome="none", reason="no checkpoint").inc()
+                report = self.report
+                assert report is not None
+                why = f"nothing to claim in pool {cfg.pool!r}" + (
+                    f" ({len(report.passed_over)} passed over)" if report.passed_over else ""
+                )
+                log.info("no checkpoint to adopt", extra={"pool": cfg.pool, "passed_over": list(report.passed_over)})
+                return self._update(outcome="none", reasons=(why,))
+            info = found
+            ref = f"{info.worker_id}/{info.id}"
+        else:
+            try:
+                info = self.repo.resolve(ref)
+            except (ObjectNotFound, GpuckptError) as exc:
+                self.metrics.restores.labels(outcome="none", reason="no checkpoint").inc()
+                log.info("no checkpoint to restore", extra={"ref": ref})
+                return self._update(outcome="none", reasons=(f"nothing to restore: {describe_error(exc)}",))
+            ref = info.id
         self._update(checkpoint=info.id)
         budget = cfg.restore.wait_for_worker.total_seconds()
         if not self._attach(budget):
             self.metrics.restores.labels(outcome="failed", reason="worker unreachable").inc()
+            self._release(f"worker not reachable: {self._worker_error()}")
             return self._update(outcome="failed", reasons=(f"worker not reachable: {self._worker_error()}",))
         client = self.engine.client(cfg.worker_url) if cfg.worker_url else None
         try:
@@ -154,7 +196,7 @@ class RestoreAtStart:
                 client.wait_ready(budget)
             plan = session.restore(
                 self.repo,
-                info.id,
+                ref,
                 self.engine,
                 session.RestoreOptions(
                     trust_domain=self.trust_domain,
@@ -170,11 +212,111 @@ class RestoreAtStart:
             self.metrics.restores.labels(outcome="failed", reason=type(exc).__name__).inc()
             self._on_error({"at": now(), "operation": "restore", "error": describe_error(exc)})
             log.error("restore failed", extra={"checkpoint": info.id, "error": describe_error(exc)})
+            self._release(f"restore failed: {describe_error(exc)}")
             if client is not None:
                 _release_retries(client)
                 client.close()
             return report
         return self._planned(plan, info.id, client, t0)
+
+    # -- adoption by claim (ckpt/claims.py) --------------------------------------------------------
+
+    def _claimed(self) -> CheckpointInfo | None:
+        """Claim this worker's own newest checkpoint, else the newest orphaned final checkpoint
+        of its pool that this worker wins; the claim is then kept (renewed on a thread) until
+        :meth:`_finish` or :meth:`_release`. None: nothing to claim (the report says what was
+        passed over, and why)."""
+        cfg = self.cfg
+        store = self.repo.store
+        assert cfg.pool is not None  # the configuration requires it with adopt = "claim"
+        lease = cfg.restore.claim_lease.total_seconds()
+        passed: list[str] = []
+
+        def claim(info: CheckpointInfo) -> bool:
+            got = claims.try_claim(store, info.worker_id, info.id, cfg.worker_id, pool=cfg.pool, lease_s=lease)
+            if isinstance(got, claims.Refusal):
+                passed.append(str(got))
+                log.info(
+                    "checkpoint not claimed", extra={"checkpoint": f"{info.worker_id}/{info.id}", "why": got.reason}
+                )
+                return False
+            self._claim = got
+            got.keep()
+            adopted = {"worker_id": info.worker_id, "checkpoint": info.id, "claim": got.name, "state": "held"}
+            self._update(adopted=adopted, passed_over=tuple(passed))
+            log.info(
+                "adopting a checkpoint" if info.worker_id != cfg.worker_id else "restoring this worker's checkpoint",
+                extra={"checkpoint": info.id, "original_worker": info.worker_id, "claim": got.name},
+            )
+            return True
+
+        try:
+            own: CheckpointInfo | None = self.repo.latest(cfg.worker_id)[0]
+        except GpuckptError:
+            own = None
+        if own is not None and claim(own):
+            return own
+        found, refused = claims.candidates(
+            store, self.repo.keyring, pool=cfg.pool, trust_domain=self.trust_domain, exclude=[cfg.worker_id]
+        )
+        passed += [str(r) for r in refused]
+        for c in found:
+            if claim(c.info):
+                return c.info
+        self._update(passed_over=tuple(passed))
+        return None
+
+    def _claim_state(self, state: str, **more: Any) -> None:
+        report = self.report
+        if report is not None and report.adopted is not None:
+            self._update(adopted={**report.adopted, "state": state, **more})
+
+    def _release(self, why: str) -> None:
+        """Nothing was restored: give the claim back, so that another worker takes the checkpoint."""
+        c, self._claim = self._claim, None
+        if c is None:
+            return
+        try:
+            c.release(why)
+            self._claim_state("released", reason=why)
+        except GpuckptError as exc:  # its lease runs out instead
+            log.warning("could not release the claim", extra={"claim": c.name, "error": describe_error(exc)})
+
+    def _part_done(self) -> None:
+        """One of the claimed restore's threads finished; the last one marks the claim done."""
+        with self._lock:
+            self._parts -= 1
+            last = self._parts == 0
+        if last:
+            self._finish(*self._verdict)
+
+    def _finish(self, outcome: str, reason: str) -> None:
+        """The claimed checkpoint was restored (warm or cold): mark it done, never to be adopted
+        again; then forget what retention no longer keeps of an adopted worker (retired)."""
+        c, self._claim = self._claim, None
+        if c is None:
+            return
+        try:
+            c.finish(outcome, reason)
+            self._claim_state("done", outcome=outcome)
+        except claims.ClaimLost as exc:
+            self._claim_state("lost", reason=str(exc))
+            return
+        except GpuckptError as exc:
+            # not written: its lease runs out and another worker may restore it again; say so loudly
+            self._claim_state("unfinished", reason=describe_error(exc))
+            log.error("could not mark the claim done", extra={"claim": c.name, "error": describe_error(exc)})
+            return
+        if c.worker_id != self.cfg.worker_id:
+            r = self.cfg.retention
+            try:
+                gone = self.repo.forget(keep_last=r.keep_last, keep_within=r.keep_within, worker_id=c.worker_id)
+                if gone:
+                    log.info(
+                        "retention forgot the adopted worker's checkpoints", extra={"forgotten": [str(x) for x in gone]}
+                    )
+            except GpuckptError as exc:
+                log.warning("retention of the adopted worker failed", extra={"error": describe_error(exc)})
 
     def _planned(self, plan: RestorePlan, checkpoint: str, client: ServingClient | None, t0: float) -> RestoreReport:
         outcome = "warm" if plan.warm else "cold"
@@ -192,7 +334,13 @@ class RestoreAtStart:
             canary=plan.stats.get("canary"),
         )
         extra = {"checkpoint": checkpoint, "outcome": outcome, "reasons": plan.reasons, "requests": len(plan.requests)}
+        if report.adopted is not None:
+            extra["original_worker"] = report.adopted["worker_id"]
         log.info("restore planned", extra=extra)
+        resubmitting = client is not None and bool(plan.requests)
+        with self._lock:
+            self._verdict = (outcome, "pins match" if plan.warm else "; ".join(plan.reasons) or "cold")
+            self._parts = (plan.rest is not None) + resubmitting + 1  # + this thread's own part
         for rid, why in report.inexact.items():
             log.warning("request replayed cold", extra={"request": rid, "reasons": why})
         if plan.rest is not None:
@@ -209,14 +357,18 @@ class RestoreAtStart:
             if client is not None:
                 _release_retries(client)
                 client.close()
-        return report
+        self._part_done()
+        return self.report or report
 
     def _await_rest(self, plan: RestorePlan) -> None:
         """The rest of a streaming restore arrives behind the resubmitted requests: record when it has."""
-        plan.wait_offered()
-        assert plan.rest is not None
-        report = self._update(blocks_offered=plan.offered_total, rest={"state": "done", **plan.rest.stats})
-        log.info("restore offered the rest", extra={"checkpoint": report.checkpoint, **plan.rest.stats})
+        try:
+            plan.wait_offered()
+            assert plan.rest is not None
+            report = self._update(blocks_offered=plan.offered_total, rest={"state": "done", **plan.rest.stats})
+            log.info("restore offered the rest", extra={"checkpoint": report.checkpoint, **plan.rest.stats})
+        finally:
+            self._part_done()
 
     def _resubmit(self, client: ServingClient, requests: Sequence[Resubmission]) -> None:
         """Resubmit the ledger and record a bounded summary of each continuation (its length and
@@ -229,6 +381,7 @@ class RestoreAtStart:
         except Exception as exc:
             self._update(resubmission={"state": "failed", "error": describe_error(exc)})
             log.error("resubmission failed", extra={"error": describe_error(exc)})
+            self._part_done()
             return
         finally:
             client.close()
@@ -246,6 +399,7 @@ class RestoreAtStart:
                 results=done.summaries(),
             )
         log.info("resubmitted requests finished", extra={"requests": len(requests)})
+        self._part_done()
 
 
 def _release_retries(client: ServingClient) -> None:
