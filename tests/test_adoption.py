@@ -75,11 +75,13 @@ def final_checkpoint(pods: Pods, name: str, **over: Any) -> str:
     return str(a.last_checkpoint["id"])
 
 
-def settled(a: Agent) -> Callable[[], dict[str, Any] | None]:
-    def done() -> dict[str, Any] | None:
+def settled(a: Agent) -> Callable[[], dict[str, Any]]:
+    """The adopted checkpoint's record once its claim is no longer held ({} until then)."""
+
+    def done() -> dict[str, Any]:
         r = a.restore_report
         adopted = r.adopted if r is not None else None
-        return dict(adopted) if adopted is not None and adopted["state"] != "held" else None
+        return dict(adopted) if adopted is not None and adopted["state"] != "held" else {}
 
     return done
 
