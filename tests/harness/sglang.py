@@ -9,12 +9,14 @@ wheel) and the repository root (the linker is imported from the working tree).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from agent.engines.sglang.serve import CPU_ARGS
+from agent.engines.sglang.serve import CPU_ARGS, linker_config
 from agent.testing import SglangProcess
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT
@@ -48,8 +50,17 @@ class Servers:
         self.python, self.model, self.base = python, model, base
         self.procs: list[SglangProcess] = []
 
-    def start(self, name: str, page_size: int = 16) -> SglangProcess:
-        """A server named ``name``, ready (API and control socket)."""
+    def start(
+        self, name: str, page_size: int = 16, linker: dict[str, Any] | None = None, args: Sequence[str] = ()
+    ) -> SglangProcess:
+        """A server named ``name``, ready (API and control socket); ``linker`` adds to the linker's
+        extra config (``copy_bytes_per_step`` and the like), ``args`` to the server's flags."""
+        extra = [*BASE_ARGS, "--page-size", str(page_size), *args]
+        if linker:
+            staging_dir = str(self.base / f"{name}-staging")
+            cfg = linker_config(str(self.base / f"{name}.sock"), staging_dir)
+            cfg["linker_extra_config"].update(linker)
+            extra += ["--unified-cache-external-linker-config", json.dumps(cfg)]  # the last one counts
         p = SglangProcess(
             str(self.model),
             str(self.base / f"{name}.sock"),
@@ -57,7 +68,7 @@ class Servers:
             log_path=str(self.base / f"{name}.log"),
             python=self.python,
             staging_dir=str(self.base / f"{name}-staging"),
-            extra_args=[*BASE_ARGS, "--page-size", str(page_size)],
+            extra_args=extra,
             pythonpath=[str(STANDIN), str(ROOT)],
         )
         self.procs.append(p)
