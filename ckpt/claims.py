@@ -628,9 +628,12 @@ def sweep(store: Store, *, older_than: float, dry_run: bool = False) -> list[str
     """Delete the claim objects of checkpoints whose manifests are gone (forgotten), last
     written before ``older_than`` (the store's epoch seconds), and clock probes a crash left;
     returns their names. A checkpoint that exists keeps every claim object."""
+    found = list(store.list(PREFIX))
+    if not found:
+        return []
     alive = {(c.worker_id, c.id) for c in list_checkpoints(store)}
     gone = []
-    for o in store.list(PREFIX):
+    for o in found:
         parts = o.name[len(PREFIX) :].split("/")
         if len(parts) != 3 or o.mtime >= older_than or not is_worker_id(parts[0]):
             continue
