@@ -21,6 +21,7 @@ Rules live in the :data:`RULES` registry; :func:`register` adds one.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -200,7 +201,28 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
     "tokenizer_digest": "sha256 over the tokenizer files: token ids must mean the same.",
     "prefix_hash_algo": "Prefix-cache hash algorithm: block keys must be computed the same way.",
     "prefix_hash_seed": "Seed of the prefix hash chain: block keys must be computed the same way.",
+    "kv_groups": (
+        "KV cache groups (full attention, sliding window, ...), compared group by group: a page "
+        "belongs to its group, and a group keeps only the blocks its kind attends to."
+    ),
 }
+
+#: what a missing ``kv_groups`` means: one full-attention group (see :class:`ckpt.pins.WorkerFacts`)
+LEGACY_KV_GROUPS: Final = "full"
+
+
+def kv_groups(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
+    """Group by group, naming the first group that differs; ``None`` is one full-attention group
+    (every checkpoint before hybrid groups, and an engine that does not report its groups)."""
+    a = str(recorded if recorded is not None else LEGACY_KV_GROUPS).split(";")
+    b = str(current if current is not None else LEGACY_KV_GROUPS).split(";")
+    for i in range(max(len(a), len(b))):
+        x = a[i] if i < len(a) else "(none)"
+        y = b[i] if i < len(b) else "(none)"
+        if x != y:
+            x, y = (re.sub(r"^g\d+=", "", v) for v in (x, y))
+            return Verdict.MISMATCH, f"KV cache group {i}: checkpoint {x}, here {y}"
+    return Verdict.MATCH, ""
 
 for _name, _description in _HOST_RULES.items():
     register(Rule(_name, _description, _host(_name)))
@@ -216,7 +238,8 @@ def recorded_only(recorded: FactValue, current: FactValue) -> tuple[Verdict, str
 _RECORDED_ONLY: Final = frozenset({"tensor_parallel_size", "rank"})
 
 for _name, _description in _WORKER_RULES.items():
-    register(Rule(_name, _description, _worker(_name), recorded_only if _name in _RECORDED_ONLY else equality))
+    compare = recorded_only if _name in _RECORDED_ONLY else kv_groups if _name == "kv_groups" else equality
+    register(Rule(_name, _description, _worker(_name), compare))
 
 # Every pinned fact must have its rule: a fact added to the models without one
 # would be recorded but never checked.

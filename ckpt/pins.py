@@ -120,6 +120,10 @@ class WorkerFacts(BaseModel):
     """The engine's prefix-cache hash, e.g. ``"sha256"``, ``"sha256_cbor"``."""
     prefix_hash_seed: str | None = None
     """The seed of the prefix hash chain (vLLM: ``PYTHONHASHSEED`` / ``NONE_HASH``)."""
+    kv_groups: str | None = None
+    """The KV cache groups, group by group: ``full`` for one full-attention group (also what
+    ``None`` means: every checkpoint before hybrid groups, and engines that do not report them),
+    else e.g. ``g0=sliding_window:64/2;g1=full/2`` (kind, window, layers)."""
 
 
 class Pins(BaseModel):

@@ -54,6 +54,7 @@ WORKER_RULES = [
     "tokenizer_digest",
     "prefix_hash_algo",
     "prefix_hash_seed",
+    "kv_groups",
 ]
 ALL_RULES = HOST_RULES + WORKER_RULES
 STR_RULES = [r for r in ALL_RULES if r not in INT_FIELDS]
@@ -61,6 +62,8 @@ STR_RULES = [r for r in ALL_RULES if r not in INT_FIELDS]
 # KV head and are resharded into the restoring worker's TP size.
 RECORDED_ONLY = ["tensor_parallel_size", "rank"]
 COMPARED_RULES = [r for r in ALL_RULES if r not in RECORDED_ONLY]
+# A missing kv_groups is one full-attention group (every checkpoint before hybrid groups), not unknown.
+DEFAULTED = ["kv_groups"]
 
 BASE: dict[str, Any] = {
     "gpu_product": "NVIDIA H100 80GB HBM3",
@@ -90,6 +93,7 @@ BASE: dict[str, Any] = {
     "tokenizer_digest": "sha256:" + "b" * 64,
     "prefix_hash_algo": "sha256",
     "prefix_hash_seed": "0",
+    "kv_groups": "g0=sliding_window:1024/40;g1=full/40",
 }
 OTHER: dict[str, Any] = {
     name: (value + 1 if isinstance(value, int) else value + "-other") for name, value in BASE.items()
@@ -174,7 +178,7 @@ def test_what_resharding_needs_is_compared() -> None:
     assert d.reasons == ["head_size: mismatch (checkpoint 128, here 64)"]
 
 
-@pytest.mark.parametrize("rule", COMPARED_RULES)
+@pytest.mark.parametrize("rule", [r for r in COMPARED_RULES if r not in DEFAULTED])
 @pytest.mark.parametrize(("recorded", "current"), [(None, "base"), ("base", None), (None, None)])
 def test_rule_unknown(rule: str, recorded: str | None, current: str | None) -> None:
     old = pins(**{rule: None if recorded is None else BASE[rule]})
@@ -392,3 +396,22 @@ def test_reasons_are_exactly_the_refusing_rules(a: Pins, b: Pins) -> None:
     assert decision.reasons == [r.line for r in refusing]
     assert decision.warm == (not refusing)
     assert decide(a, b, Policy(ignore=frozenset(RULES))).warm
+
+
+def test_kv_groups_compare_group_by_group_and_name_the_group() -> None:
+    r = result_of("kv_groups", pins(), pins(kv_groups="g0=sliding_window:512/40;g1=full/40"))
+    assert r.verdict is Verdict.MISMATCH
+    assert r.detail == "KV cache group 0: checkpoint sliding_window:1024/40, here sliding_window:512/40"
+    r = result_of("kv_groups", pins(), pins(kv_groups="g0=sliding_window:1024/40"))
+    assert r.verdict is Verdict.MISMATCH
+    assert r.detail == "KV cache group 1: checkpoint full/40, here (none)"
+
+
+def test_a_missing_kv_groups_is_one_full_attention_group() -> None:
+    """Checkpoints from before hybrid groups (and engines that do not report them) carry one
+    full-attention group: they restore warm into such a worker, and are refused by a hybrid one."""
+    assert result_of("kv_groups", pins(kv_groups=None), pins(kv_groups="full")).verdict is Verdict.MATCH
+    assert result_of("kv_groups", pins(kv_groups=None), pins(kv_groups=None)).verdict is Verdict.MATCH
+    r = result_of("kv_groups", pins(kv_groups=None), pins())
+    assert r.verdict is Verdict.MISMATCH
+    assert "KV cache group 0: checkpoint full, here sliding_window:1024/40" in r.detail

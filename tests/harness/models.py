@@ -47,3 +47,39 @@ def write_tiny_llama_text(path: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(path)
     return write_tiny_llama(path, seed=1, bos=fast.bos_token_id, eos=fast.eos_token_id)
+
+
+def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0) -> Path:
+    """A tiny random-weight model with sliding-window attention (window ``window`` tokens), as
+    vLLM's hybrid KV cache manager groups it: ``"gemma3"`` interleaves sliding and global layers
+    (Gemma 3's pattern: two groups), ``"mistral"`` slides in every layer (one sliding group)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    common = {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "sliding_window": window,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if kind == "gemma3":
+        cfg = Gemma3TextConfig(
+            **common,
+            num_hidden_layers=4,
+            head_dim=64,
+            pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
+        Gemma3ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    elif kind == "mistral":
+        MistralForCausalLM(MistralConfig(**common, num_hidden_layers=2)).save_pretrained(path, safe_serialization=True)
+    else:
+        raise ValueError(f"unknown sliding-window model kind {kind!r}")
+    return path

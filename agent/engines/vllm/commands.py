@@ -58,7 +58,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from vllm import SamplingParams
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.request import Request
 
@@ -67,6 +67,7 @@ from agent.engines.protocol import Hold, KeyRequest, Keys, Next
 from agent.engines.service import InjectedFault, Reply, Waiter, WorkerService
 from agent.engines.vllm.capture import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, CopyJob, Pending, Stream, chunk_pages
 from agent.engines.vllm.describe import describe
+from agent.engines.vllm.groups import GroupRule, carried, group_key, kv_groups, not_carried
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
 from agent.engines.vllm.meta import tail_key
 from agent.fs import Trust
@@ -133,8 +134,18 @@ class VllmService(WorkerService):
             model_runner="v2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1",
             async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
         )
-        group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
-        page_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names) if group else 1
+        # the KV cache groups (the hybrid allocator): each page is one group's block; none is
+        # carried when one cannot be (see .groups)
+        self.groups = kv_groups(kv_cache_config, self.block_size)
+        self.carried = carried(self.groups)
+        self.kv_not_carried = not_carried(self.groups)
+        self.rules: list[GroupRule] | None = None  # built once the KV cache manager is bound
+        if self.kv_not_carried:
+            log.warning("gpuckpt: the KV cache is not carried (requests replay cold): %s", self.kv_not_carried)
+        # a page: one block across the physical layer slots, as many as the largest group has layers
+        page_bytes = max(
+            (g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups), default=1
+        )
         # Finished requests' partial tails kept in worker memory for the next capture: a FIFO
         # bounded in bytes, decided here, which tells the worker what to drop (GpuckptMeta.tail_drop).
         self.tail_cap = int(extra.get("tail_bytes", 256 << 20)) // max(1, page_bytes)
@@ -264,16 +275,17 @@ class VllmService(WorkerService):
         hasher = getattr(self.engine, "request_block_hasher", None)
         ids = list(r.token_ids)
         n = r.kv_tokens
-        if hasher is None or n <= 0:
+        if hasher is None or n <= 0 or not self.carried:
             return []
         salt = r.cache_salt
         rq = Request("gpuckpt-keys", ids[:n], SamplingParams(max_tokens=1), None, cache_salt=salt, block_hasher=hasher)
         bs = self.block_size
         full = [bytes(h) for h in rq.block_hashes][: n // bs]
-        keys = [k.hex() for k in full]
         if n % bs and len(full) == n // bs:
-            keys.append(tail_key(full[-1] if full else b"", ids[len(full) * bs : n], salt, None).hex())
-        return keys
+            full.append(tail_key(full[-1] if full else b"", ids[len(full) * bs : n], salt, None))
+        # every group's page of each block (a windowed group's older ones are not in a checkpoint:
+        # the agent keeps only the keys it holds)
+        return [group_key(k, g.index).hex() for k in full for g in self.carried]
 
     def on_hold(self, msg: Hold) -> Reply:
         """Hold new requests until ``requests`` have arrived (see ``get_num_new_matched_tokens``)."""
@@ -398,19 +410,24 @@ class VllmService(WorkerService):
         cached: dict[bytes, Pending] = {}
         at_risk: list[Pending] = []
         in_use: list[Pending] = []
-        for k, v in list(self.pool.cached_block_hash_to_block._cache.items()):
+        carried_ids = {g.index for g in self.carried}
+        for k, v in list(self.pool.cached_block_hash_to_block._cache.items()) if carried_ids else ():
             blk = v if isinstance(v, KVCacheBlock) else next(iter(v.values()))
             # block_hash_num_tokens is the prefix length the hash covers; an
             # entry ending inside a block is a partial entry, not a full block.
             n = blk.block_hash_num_tokens
             if blk.is_null or (n is not None and n % bs):
                 continue
-            key = bytes(get_block_hash(k))
+            gid = get_group_id(k)
+            if gid not in carried_ids:
+                continue
+            key = group_key(bytes(get_block_hash(k)), gid)
             if key in cached:
                 continue
             p = cached[key] = Pending(key, int(blk.block_id), k)
             (in_use if blk.ref_cnt > 0 else at_risk).append(p)
         mutable: dict[bytes, int] = {}  # copied at this step: may change or go after it
+        null = int(self.pool.null_block.block_id)
         entries = []
         for rid, req in [] if prefix_only else list(self.live.items()):
             if req.is_finished():
@@ -419,21 +436,26 @@ class VllmService(WorkerService):
             # token whose id is not back yet: claim only the tokens we know.
             kv_tokens = min(req.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0), req.num_tokens)
             try:
-                ids = self.kv_manager.get_block_ids(rid)[0]
+                per_group = self.kv_manager.get_block_ids(rid) if self.carried else ()
             except (KeyError, IndexError):
-                ids = []
-            n_full = min(kv_tokens // bs, len(ids), len(req.block_hashes))
+                per_group = ()
+            groups = [(g.index, per_group[g.index]) for g in self.carried] if per_group else []
+            n_ids = min((len(ids) for _, ids in groups), default=0)
+            n_full = min(kv_tokens // bs, n_ids, len(req.block_hashes))
             for i in range(n_full):
-                key = bytes(req.block_hashes[i])
-                if key not in cached:
-                    mutable.setdefault(key, ids[i])
+                for g, ids in groups:
+                    key = group_key(bytes(req.block_hashes[i]), g)
+                    if ids[i] != null and key not in cached:  # a windowed group keeps no block out of its window
+                        mutable.setdefault(key, ids[i])
             kv_held = n_full * bs
             tail = kv_tokens - kv_held
-            if tail > 0 and n_full < len(ids) and n_full == kv_tokens // bs:
+            if tail > 0 and n_full < n_ids and n_full == kv_tokens // bs:
                 parent = bytes(req.block_hashes[n_full - 1]) if n_full else b""
                 lora = getattr(req.lora_request, "lora_name", None)
                 toks = req.all_token_ids[kv_held:kv_tokens]
-                mutable[tail_key(parent, toks, req.cache_salt, lora)] = ids[n_full]
+                tk = tail_key(parent, toks, req.cache_salt, lora)
+                for g, ids in groups:
+                    mutable[group_key(tk, g)] = ids[n_full]
                 kv_held = kv_tokens
             entries.append(request_entry(req, kv_held, self.runner_facts))
         # finished requests' stored tails do not change either: they stream like the cached blocks
@@ -461,6 +483,7 @@ class VllmService(WorkerService):
             "requests": len(entries),
             "inexact_requests": sum(not e["exact"] for e in entries),
             "tensor_parallel_size": self.tp,
+            "kv_not_carried": self.kv_not_carried,
             "prefix_only": prefix_only,
             "plan_s": time.monotonic() - t0,
             "wait_s": time.monotonic() - min(w.requested for w in waiters),

@@ -22,7 +22,8 @@ hook                           when vLLM calls it                              s
 ``update_state_after_alloc``   after its blocks are allocated                  its loads fail
 ``build_connector_meta``       after each step is scheduled                    loads fail, no copy
 ``update_connector_output``    each step's worker output (all ranks folded)    nothing
-``request_finished``           a request finishes                              free at once
+``request_finished_all_groups`` a request finishes (every KV cache group's       free at once
+                               blocks; ``request_finished`` with one group)
 ``has_pending_push_work``      each busy-loop turn: keep an idle engine        False
                                stepping?
 ``shutdown``                   engine shutdown                                 —
@@ -46,6 +47,10 @@ hook                               when                                        s
 
 The halves talk only through the per-step metadata (:mod:`.meta`), one
 object per direction per step.
+
+``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with gpuckpt loaded
+(sliding-window and hybrid models keep their memory savings; hybrid SSM
+models start). Each page is one KV cache group's block (:mod:`.groups`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from agent.engines.service import guard
@@ -84,7 +90,7 @@ log = logging.getLogger("gpuckpt.vllm")
 _DISABLED = "register_kv_caches failed (see the worker's log)"
 
 
-class GpuckptConnector(KVConnectorBase_V1):
+class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring: the hook map by side."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -139,6 +145,12 @@ class GpuckptConnector(KVConnectorBase_V1):
     @guard(lambda self, request, block_ids: (False, None))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s.request_finished(request, block_ids)
+
+    @guard(lambda self, request, block_ids: (False, None))
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s.request_finished_all_groups(request, block_ids)
 
     @guard(lambda self, request, num_computed_tokens: self._s.no_match(request))
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -16,6 +16,7 @@ import vllm
 from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
+from agent.engines.vllm.groups import LEGACY_SIGNATURE, kv_groups, not_carried, signature
 from ckpt import ABSENT, fingerprint
 
 __all__ = ["attention_backend_name", "describe", "page_format"]
@@ -69,8 +70,14 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
     """
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    group = kv_cache_config.kv_cache_groups[0]
+    groups = kv_groups(kv_cache_config, cc.block_size)
+    # the first carried group's spec describes a page (every carried group's reads the same, see
+    # .groups); a physical page holds as many layer slots as the largest group has layers
+    group = next((g for g, d in zip(kv_cache_config.kv_cache_groups, groups, strict=True) if d.layout), None)
+    group = group or kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
+    slots = max(d.layers for d in groups)
+    sig = signature(groups)
     model_dtype = str(mc.dtype).removeprefix("torch.")
     kv_dtype = model_dtype if cc.cache_dtype == "auto" else str(cc.cache_dtype)
     device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
@@ -122,6 +129,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "tokenizer_digest": tokenizer_digest,
         "prefix_hash_algo": str(cc.prefix_caching_hash_algo),
         "prefix_hash_seed": get_none_hash_seed(),
+        "kv_groups": sig,
     }
     layout_doc = {
         "device": device,
@@ -134,17 +142,23 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "head_size": spec.head_size,
         "dtype": kv_dtype,
         "layers": sorted(group.layer_names),
+        "kv_groups": [g.to_json() for g in groups],
+        "kv_not_carried": not_carried(groups),
         "tensor_parallel_size": tp,
         "model_runner": model_runner,
         "async_scheduling": bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
         "ranks": reports,
-        "page": "one block id across all layers, layer-major, each layer's page whole with all KV heads",
+        "page": (
+            "one block id across all layer slots (a slot: one layer of each KV cache group), "
+            "layer-major, each layer's page whole with all KV heads"
+        ),
     }
     ns = {
         "engine": "vllm",
         "model": model_digest or f"path:{mc.model}",
         "layout": layout or "unknown",
-        "kv": f"{kv_dtype}/bs{cc.block_size}/h{total_heads}x{spec.head_size}/l{len(group.layer_names)}",
+        "kv": f"{kv_dtype}/bs{cc.block_size}/h{total_heads}x{spec.head_size}/l{slots}"
+        + ("" if sig == LEGACY_SIGNATURE else f"/{sig}"),
         "hash": f"{facts['prefix_hash_algo']}/{facts['prefix_hash_seed']}",
     }
     return {"facts": facts, "layout": layout_doc, "namespace": ns}

@@ -39,7 +39,13 @@ structured outputs the earlier outputs to advance the new grammar by. It is
 handed over at the request's first schedule, and only to the request that
 continues the ledger entry (:meth:`SchedulerHalf.apply_request_state`).
 
-Limits: one KV cache group, PP = 1.
+KV cache groups (the hybrid allocator, ``SupportsHMA``): each page is one
+group's block (:mod:`.groups`); a request's external hit must cover every
+block vLLM allocates for it in every group — a windowed group only those
+inside its window at the hit's end (:func:`.groups.plan_hit`). A worker with
+a group gpuckpt cannot carry matches nothing (its ledger replays cold).
+
+Limits: PP = 1.
 """
 
 from __future__ import annotations
@@ -47,13 +53,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
 from agent.engines import staging
 from agent.engines.types import token_digest
 from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
+from agent.engines.vllm.groups import GroupRule, group_key, plan_hit
 from agent.engines.vllm.ledger import client_id
 from agent.engines.vllm.meta import GpuckptMeta, GpuckptWorkerMeta, tail_key
 
@@ -122,24 +128,34 @@ class SchedulerHalf(VllmService):
             self.live[request.request_id] = request
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """One group (the hybrid allocator off): see :meth:`request_finished_all_groups`."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Delay the free of a finished request whose KV ends inside a block, so the next step can
-        copy that partial tail (see :class:`.GpuckptMeta`)."""
+        copy that partial tail — every group's (see :class:`.GpuckptMeta`)."""
         with self.lock:
             self.live.pop(request.request_id, None)
             self.plans.pop(request.request_id, None)
-            if self.tail_cap <= 0:
+            if self.tail_cap <= 0 or not self.carried:
                 return False, None
             bs = self.block_size
             n = int(request.num_computed_tokens)  # block_ids cover these tokens
             n_full = n // bs
-            if n % bs == 0 or n_full >= len(block_ids) or n_full > len(request.block_hashes):
+            if n % bs == 0 or n_full > len(request.block_hashes):
+                return False, None
+            if any(n_full >= len(block_ids[g.index]) for g in self.carried):
                 return False, None
             parent = bytes(request.block_hashes[n_full - 1]) if n_full else b""
             lora = getattr(request.lora_request, "lora_name", None)
             key = tail_key(parent, request.all_token_ids[n_full * bs : n], request.cache_salt, lora)
             if key in self.tail_keys:
                 return False, None
-            self.tail_copies.append((key.hex(), block_ids[n_full], request.request_id))
+            for g in self.carried:
+                gk = group_key(key, g.index)
+                self.tail_copies.append((gk.hex(), block_ids[g.index][n_full], request.request_id))
             return True, None
 
     def no_match(self, request: Request) -> tuple[int, bool]:
@@ -175,49 +191,64 @@ class SchedulerHalf(VllmService):
             if self.offers.awaiting and self.offers.holds(self.ledger_id(request.request_id)):
                 return None, False
             offer = self.offers.keys
-            if not offer:
+            if not offer or not self.carried:
                 return 0, False
             bs = self.block_size
             n = request.num_tokens
             hashes = request.block_hashes
             start = num_computed_tokens
-
-            def run(first: int, have: Container[bytes]) -> list[bytes]:
-                """The keys of the full blocks from ``first`` on, while each is in ``have``."""
-                out = []
-                for h in hashes[first : n // bs]:
-                    if bytes(h) not in have:
-                        break
-                    out.append(bytes(h))
-                return out
-
-            keys = run(start // bs, offer)
-            i = start // bs + len(keys)
-            end = i * bs if keys else start
             coming = self.offers.coming
             if coming:
                 # its next pages are in the checkpoint but not here yet (the rest still streams):
                 # ask for them and wait, briefly, rather than recompute them
-                want = run(i, coming)
+                want = self.coming_run(hashes, start // bs, n // bs)
                 if want and self.offers.want(request.request_id, want):
                     return None, False
-            if end < n and i == end // bs and i <= len(hashes):
-                tokens = request.all_token_ids
+            tokens = request.all_token_ids
+            lora = getattr(request.lora_request, "lora_name", None)
+
+            def tail(i: int, length: int) -> bytes | None:
+                if i > len(hashes):
+                    return None
                 parent = bytes(hashes[i - 1]) if i else b""
-                lora = getattr(request.lora_request, "lora_name", None)
-                for length in range(min(bs - 1, n - end), 0, -1):
-                    k = tail_key(parent, tokens[end : end + length], request.cache_salt, lora)
-                    if k in offer:
-                        keys.append(k)
-                        end += length
-                        break
-            end = min(end, n - 1)  # a synchronous hit must leave a token to compute
+                return tail_key(parent, tokens[i * bs : i * bs + length], request.cache_salt, lora)
+
+            end, keys = plan_hit(
+                n=n, start=start, bs=bs, hashes=hashes, rules=self.group_rules(), have=offer.__contains__, tail=tail
+            )
             ext = end - start
             if ext <= 0:
                 self.plans.pop(request.request_id, None)
                 return 0, False
             self.plans[request.request_id] = (start, keys)
             return ext, False
+
+    def coming_run(self, hashes: Any, first: int, last: int) -> list[bytes]:
+        """The keys of the blocks from ``first`` on whose pages the rest of the restore brings next
+        (``coming``), while every group keeping them has them coming (lock held)."""
+        coming = self.offers.coming
+        out: list[bytes] = []
+        for h in hashes[first:last]:
+            ks = [group_key(bytes(h), g.index) for g in self.carried]
+            if not any(k in coming for k in ks):
+                break
+            out += [k for k in ks if k in coming]
+        return out
+
+    def group_rules(self) -> list[GroupRule]:
+        """How each carried group matches: the windowed ones by their manager's own skip rule."""
+        if self.rules is None:
+            managers = getattr(getattr(self.kv_manager, "coordinator", None), "single_type_managers", None)
+            rules = []
+            for g in self.carried:
+                skip = None
+                if g.window:
+                    if managers is None:
+                        raise LookupError(f"no KV cache manager bound for the {g.label()} group")
+                    skip = managers[g.index].get_num_skipped_tokens
+                rules.append(GroupRule(g.index, skip))
+            self.rules = rules
+        return self.rules
 
     def fail_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The safe answer of a failed ``update_state_after_alloc``: the scheduler was promised
@@ -227,7 +258,8 @@ class SchedulerHalf(VllmService):
         with self.lock:
             self.plans.pop(request.request_id, None)
             if num_external_tokens > 0:
-                self.fail_loads.extend(int(b) for b in blocks.get_block_ids()[0])
+                null = self.null_block_id()
+                self.fail_loads.extend(int(b) for ids in blocks.get_block_ids() for b in ids if b != null)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         with self.lock:
@@ -238,14 +270,30 @@ class SchedulerHalf(VllmService):
                 return
             start, keys = plan
             bs = self.block_size
-            ids = blocks.get_block_ids()[0]
+            per_group = blocks.get_block_ids()
+            null = self.null_block_id()
             first = start // bs
             last = (start + num_external_tokens - 1) // bs
-            for b in range(first, last + 1):
-                key = keys[b - first]
-                self.loads.append((ids[b], self.offers.keys[key], key.hex()))
+            for g in self.carried:
+                ids = per_group[g.index]
+                for b in range(first, min(last + 1, len(ids))):
+                    if ids[b] == null:  # outside the group's window: vLLM keeps no block there
+                        continue
+                    key = group_key(keys[b - first], g.index)
+                    path = self.offers.keys.get(key)
+                    if path is None:  # never planned so (see plan_hit): recompute it, never read garbage
+                        rid = request.request_id
+                        log.error("gpuckpt: no offered page for group %d block %d of %s", g.index, b, rid)
+                        self.fail_loads.append(int(ids[b]))
+                        continue
+                    self.loads.append((ids[b], path, key.hex()))
             rid = self.ledger_id(request.request_id)
             self.restored[rid] = self.restored.get(rid, 0) + num_external_tokens
+
+    def null_block_id(self) -> int:
+        """The id of vLLM's null block (a windowed group's skipped positions)."""
+        null = getattr(self.pool, "null_block", None)
+        return int(null.block_id) if null is not None else 0
 
     def ledger_id(self, request_id: str) -> str:
         """The ledger's client id of an engine request (through the offered states' aliases)."""

@@ -105,6 +105,10 @@ class WorkerHalf:
         kv_first = False
         seen: set[int] = set()
         for name, t in sorted(kv_caches.items()):
+            if not isinstance(t, torch.Tensor):
+                # a state-space layer's state tensors: such a group is not carried (.groups), and
+                # the scheduler half plans nothing of it
+                continue
             if t.data_ptr() in seen:  # KV-sharing layers alias their target's tensor
                 continue
             seen.add(t.data_ptr())

@@ -8,7 +8,13 @@ Modes:
     (nothing running: the prefix cache and the finished turns' tails), start
     the in-flight requests (three greedy, one seeded at temperature 1),
     checkpoint mid-decode through the control socket, then let the same
-    engine finish them (the uninterrupted reference) and write the result.
+    engine finish them (the uninterrupted reference), send each
+    conversation's next turn (what the engine's own cache gives it) and
+    write the result.
+``capacity``
+    Start the engine (``connector: false``: without gpuckpt) and report the KV
+    blocks vLLM allocated and whether its hybrid KV cache manager is on (every
+    mode reports these, as ``kv``).
 ``restore``
     Start a fresh engine with the connector, restore the checkpoint (warm or
     cold; the canary probe runs through :func:`make_generate`), resubmit the
@@ -48,7 +54,7 @@ def make_llm(a: dict):
         gpu_memory_utilization=a.get("gpu_memory_utilization", 0.3),
         seed=0,
         enable_prefix_caching=True,
-        kv_transfer_config=kv_config(a),
+        kv_transfer_config=kv_config(a) if a.get("connector", True) else None,
         # a random model fills JSON with whitespace: keep the schema's output bounded
         **({"structured_outputs_config": COMPACT_JSON} if a.get("tokenizer") else {}),
     )
@@ -236,8 +242,10 @@ def main() -> None:
     t_start = time.monotonic()
     llm, start_s = make_llm(a)
     eng = llm.llm_engine
+    res: dict = {"engine_start_s": start_s, "kv": kv_facts(llm)}
+    if a["mode"] == "capacity":  # the KV capacity the engine reports, nothing else
+        return finish(a, res)
     repo = Repository.open(a["repo"], create=True)
-    res: dict = {"engine_start_s": start_s}
     sp = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
     if a["mode"] == "mixed":
         mixed(a, llm, repo, res)
@@ -273,6 +281,7 @@ def main() -> None:
         taken = session.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
         m, st = taken.manifest, taken.stats
         res["canary"] = m.canary
+        res["kv_groups"] = m.pins.worker.kv_groups
         res["checkpoint"] = m.id
         res["checkpoint_stats"] = st
         res["sizes"] = m.sizes.model_dump()
@@ -282,6 +291,12 @@ def main() -> None:
         ]
         drain(llm, outs)
         res["reference"] = {rid: prompts[rid] + outs[rid]["tokens"] for rid in prompts}
+        # each conversation's next turn on the uninterrupted engine: what its own cache gives
+        outs = {}
+        for rid, hist in res["turn1"].items():
+            eng.add_request(rid + "-t2", TokensPrompt(prompt_token_ids=[*hist, 5, 6, 7, 8]), sp(4))
+        drain(llm, outs)
+        res["turn2"] = {rid: {"num_cached_tokens": v["num_cached_tokens"]} for rid, v in outs.items()}
     else:
         t0 = time.monotonic()
         gen_outs: dict = {}
@@ -347,6 +362,20 @@ def main() -> None:
             f["restored"] = {r.request_id: r.token_ids + outs[r.request_id + "-again"]["tokens"] for r in plan.requests}
             res["canary_fault"] = f
     res["total_s"] = time.monotonic() - t_start
+    finish(a, res)
+
+
+def kv_facts(llm) -> dict:
+    """What vLLM allocated: blocks, and whether its hybrid KV cache manager is on."""
+    cfg = llm.llm_engine.vllm_config
+    return {
+        "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+        "hybrid_manager_off": bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager),
+    }
+
+
+def finish(a: dict, res: dict) -> None:
+    """Write the result file; wait to be killed if asked; exit without an engine shutdown."""
     tmp = a["result"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(res, f)

@@ -1,0 +1,232 @@
+"""vLLM's KV cache groups as gpuckpt carries them (the hybrid KV cache manager, ``SupportsHMA``).
+
+With the hybrid allocator on, vLLM splits the model's attention layers into
+*groups* by kind — full attention, sliding window, chunked local attention,
+state-space / linear-attention state — each with its own block table drawn
+from one shared block pool. Layer ``i`` of every group aliases the same
+physical slot (``KVCacheTensor.layers``): a block id belongs to one group at a
+time, so *block ``b`` across the physical slots* is exactly that group's page.
+The worker half therefore pages by physical slot and needs no group
+knowledge; the scheduler half names each page by ``(group, block hash)``
+(:func:`group_key`) and asks for each group only the blocks vLLM itself keeps
+for it:
+
+- **full attention** (and MLA): every block of the prefix;
+- **sliding window / chunked local attention**: only the blocks the request
+  still attends to — the manager's own ``get_num_skipped_tokens`` says which
+  are skipped, and vLLM allocates null blocks for those, so a restored request
+  holds exactly what the uninterrupted engine would have kept.
+
+A group gpuckpt cannot carry (Mamba / Gated-DeltaNet state, cross-attention,
+a group whose block size or page layout differs from the others', layers of
+mixed page sizes in one group) is *named*: the worker starts with the
+allocator on as always, no page is captured or loaded (a request needs every
+group's KV, so a partial set is worthless), and the ledger replays cold — the
+restore report and ``describe`` say which group and why.
+
+Keys: group 0's page keeps vLLM's block hash as its key (so a one-group
+worker's keys are what they always were); group ``g > 0``'s key is a digest of
+the hash and ``g`` of the same length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: what an engine that does not report its groups has: one full-attention group
+LEGACY_SIGNATURE = "full"
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV cache group of the worker, as the manifest records it."""
+
+    index: int
+    kind: str
+    """``full``, ``sliding_window``, ``chunked_local``, or vLLM's spec class name for others."""
+    spec: str
+    """vLLM's spec class, e.g. ``SlidingWindowSpec``, ``MLAAttentionSpec``, ``MambaSpec``."""
+    layers: int
+    block_size: int
+    window: int | None
+    """Tokens a sliding window or an attention chunk spans; ``None`` for the others."""
+    layout: tuple[Any, ...]
+    """(KV heads, head size, V head size, dtype) of one layer's page; ``()`` where not attention."""
+    why_not: str | None = None
+    """Why this group is not carried; ``None`` when it is."""
+
+    @property
+    def carried(self) -> bool:
+        return self.why_not is None
+
+    def label(self) -> str:
+        """``sliding_window:64`` — the kind with its window, as signatures and reports name it."""
+        return f"{self.kind}:{self.window}" if self.window else self.kind
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group": self.index,
+            "kind": self.kind,
+            "spec": self.spec,
+            "layers": self.layers,
+            "block_size": self.block_size,
+            "window": self.window,
+            "carried": self.carried,
+            **({"why_not": self.why_not} if self.why_not else {}),
+        }
+
+
+def _kind(spec: Any) -> tuple[str, int | None, str | None]:
+    """(kind, window, why not carried) of one group's spec (late imports: vLLM's own classes)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    name = type(spec).__name__
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        if getattr(spec, "attention_chunk_size", None):
+            return "chunked_local", int(spec.attention_chunk_size), None
+        return "full", None, None
+    if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
+        return "sliding_window", int(spec.sliding_window), None
+    if type(spec) is ChunkedLocalAttentionSpec:
+        return "chunked_local", int(spec.attention_chunk_size), None
+    if "Mamba" in name:
+        return name, None, f"{name}: state-space / linear-attention state is not carried yet"
+    if name == "UniformTypeKVCacheSpecs":
+        return name, None, f"{name}: layers of different page sizes in one group (MLA with an indexer?)"
+    return name, None, f"{name}: this kind of KV cache group is not carried yet"
+
+
+def kv_groups(kv_cache_config: Any, block_size: int) -> list[KvGroup]:
+    """The worker's groups, each with why it is not carried (if so). When one group cannot be
+    carried none is: :func:`carried` is then empty."""
+    out = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        kind, window, why = _kind(spec)
+        layout: tuple[Any, ...] = ()
+        if hasattr(spec, "head_size"):
+            layout = (
+                int(getattr(spec, "num_kv_heads", 0) or 0),
+                int(spec.head_size),
+                int(getattr(spec, "head_size_v", spec.head_size) or spec.head_size),
+                str(getattr(spec, "dtype", "")).removeprefix("torch."),
+            )
+        bs = int(getattr(spec, "block_size", block_size) or block_size)
+        if why is None and bs != block_size:
+            why = f"its block size {bs} is not the worker's {block_size}"
+        out.append(KvGroup(i, kind, type(spec).__name__, len(g.layer_names), bs, window, layout, why))
+    layouts = {g.layout for g in out if g.carried}
+    if len(layouts) > 1:
+        # the worker half pages by physical slot through one layer's view: every carried group's
+        # layer page must read the same
+        out = [
+            g if not g.carried else _refused(g, f"its page layout {g.layout} differs from another group's") for g in out
+        ]
+    return out
+
+
+def _refused(g: KvGroup, why: str) -> KvGroup:
+    return KvGroup(g.index, g.kind, g.spec, g.layers, g.block_size, g.window, g.layout, why)
+
+
+def carried(groups: list[KvGroup]) -> list[KvGroup]:
+    """The groups whose pages are captured and loaded: all of them, or none when one is not."""
+    return [] if any(not g.carried for g in groups) else list(groups)
+
+
+def not_carried(groups: list[KvGroup]) -> str | None:
+    """Why the worker's KV is not carried (naming the first group that cannot be), or ``None``."""
+    for g in groups:
+        if not g.carried:
+            return f"KV cache group {g.index} ({g.label()}, {g.layers} layers): {g.why_not}"
+    return None
+
+
+def signature(groups: list[KvGroup]) -> str:
+    """The groups as a pinned fact: ``full`` for one full-attention group (what every worker had
+    before hybrid groups, and what an engine that does not report groups has), else
+    ``g0=sliding_window:64/2;g1=full/2`` (kind, window, layers per group)."""
+    if len(groups) == 1 and groups[0].kind == "full":
+        return LEGACY_SIGNATURE
+    return ";".join(f"g{g.index}={g.label()}/{g.layers}" for g in groups)
+
+
+def group_key(base: bytes, group: int) -> bytes:
+    """The page key of ``group``'s block whose vLLM hash (or gpuckpt tail key) is ``base``."""
+    if group == 0:
+        return base
+    return hashlib.sha256(b"gpuckpt-kv-group\0" + group.to_bytes(4, "big") + base).digest()[: len(base)]
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """How the scheduler half matches one carried group: ``skipped(end)`` is the group's manager's
+    ``get_num_skipped_tokens`` (tokens before the window vLLM gives null blocks), ``None`` for a
+    group that keeps every block."""
+
+    index: int
+    skipped: Callable[[int], int] | None
+
+
+def plan_hit(
+    *,
+    n: int,
+    start: int,
+    bs: int,
+    hashes: Sequence[bytes],
+    rules: Sequence[GroupRule],
+    have: Callable[[bytes], bool],
+    tail: Callable[[int, int], bytes | None],
+) -> tuple[int, list[bytes]]:
+    """The external hit of a request of ``n`` tokens whose first ``start`` are local hits:
+    ``(end, keys)`` — the tokens up to ``end`` load from offered pages, ``keys`` the base keys
+    (:func:`group_key` of group 0) of the blocks from ``start // bs`` on.
+
+    Every group must have every block vLLM will allocate for ``[start, end)``: a full-attention
+    group all of them; a windowed group those from its window's start at ``end`` (its manager
+    skips the rest, as vLLM's ``allocate_external_computed_blocks`` does). ``end`` leaves at least
+    one token to compute. ``tail(i, length)`` is the key of a partial page of ``length`` tokens
+    after ``i`` full blocks (a finished turn's tail), tried when the full blocks run out.
+    """
+    s0 = start // bs
+    nfull = min(n // bs, len(hashes))
+    full = [r.index for r in rules if r.skipped is None]
+    windowed = [r for r in rules if r.skipped is not None]
+    run = s0
+    while run < nfull and all(have(group_key(hashes[run], g)) for g in full):
+        run += 1
+
+    def fits(end: int, keys: list[bytes]) -> bool:
+        for r in windowed:
+            assert r.skipped is not None
+            lo = max(s0, r.skipped(end) // bs)
+            for p in range(lo, -(-end // bs)):
+                if not have(group_key(keys[p - s0], r.index)):
+                    return False
+        return True
+
+    base = [bytes(h) for h in hashes[s0:run]]
+    if run * bs < n and (run > s0 or start % bs == 0):
+        for length in range(min(bs - 1, n - run * bs), 0, -1):
+            k = tail(run, length)
+            if k is not None and all(have(group_key(k, r.index)) for r in rules):
+                end = min(run * bs + length, n - 1)
+                if end > start and fits(end, [*base, k]):
+                    return end, [*base, k]
+                break
+    for cand in range(run, s0, -1):
+        end = min(cand * bs, n - 1)
+        if end <= start:
+            break
+        if fits(end, base[: cand - s0]):
+            return end, base[: cand - s0]
+    return start, []
