@@ -654,10 +654,10 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
                 if rec.get("index"):
                     staging.unlink_pair(rec["index"])
                 return
-            st.report(k, rec)
-            if st.error is not None:
-                self._end_stream(st, st.error)
+            if rec.get("error"):
+                self._end_stream(st, f"chunk {k}: {rec['error']}")
                 return
+            st.report(k, rec)
             if k == 0:
                 self.answer(st.waiters, self._first_reply(st, rec))
                 st.waiters = []
