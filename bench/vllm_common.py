@@ -73,6 +73,38 @@ def make_model(root: Path, *, layers: int, hidden: int, heads: int, kv_heads: in
     return path
 
 
+def make_sliding_model(root: Path, *, window: int = 64) -> Path:
+    """A random-weight Gemma-3-style model (sliding and global layers interleaved, 4 layers,
+    ``window``-token window) saved with ``transformers``; reused when already there."""
+    path = root / f"gemma3-4L-256h-sw{window}"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    Gemma3ForCausalLM(cfg).save_pretrained(tmp, safe_serialization=True)
+    os.replace(tmp, path)
+    return path
+
+
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
     return layers * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from agent.engines import ledgers, shards
@@ -78,6 +79,12 @@ def restore_decision(
     if trust_domain is not None and theirs is not None and theirs != trust_domain:
         reasons.append(f"trust domain: checkpoint {theirs!r} != this worker's {trust_domain!r}")
     reasons += _shard_reasons(m)
+    # a KV cache group gpuckpt cannot carry (an SSM's state, say): the checkpoint has no pages,
+    # or this worker could not load them — either way its requests replay cold, and say why
+    for side, layout in (("checkpoint", m.layout), ("worker", desc.layout)):
+        why = layout.get("kv_not_carried") if isinstance(layout, Mapping) else None
+        if why:
+            reasons.append(f"KV not carried ({side}): {why}")
     return Decision(
         m.id, not reasons, reasons, decision.results, policy, ledgers.request_count(m.ledger), m.sizes.blocks
     )

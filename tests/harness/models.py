@@ -83,3 +83,40 @@ def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0
     else:
         raise ValueError(f"unknown sliding-window model kind {kind!r}")
     return path
+
+
+def write_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random-weight Qwen3-Next (Gated DeltaNet linear attention interleaved with full
+    attention, a small MoE), bfloat16 — vLLM's CPU build runs its GDN layers only in bf16. Under
+    vLLM's hybrid KV cache manager its linear-attention layers are a state-space (``MambaSpec``)
+    group: a KV cache group gpuckpt does not carry yet."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,  # the CPU build's GDN kernel takes head dims of 64 or more
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        full_attention_interval=2,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path

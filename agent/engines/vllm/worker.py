@@ -104,10 +104,16 @@ class WorkerHalf:
         self.kv = []
         kv_first = False
         seen: set[int] = set()
+        # only attention groups' layers page by block (a state-space layer's state is not carried:
+        # see .groups, and the scheduler half then plans nothing)
+        attention = {
+            name
+            for g in self.kv_cache_config.kv_cache_groups
+            if hasattr(g.kv_cache_spec, "head_size")
+            for name in g.layer_names
+        }
         for name, t in sorted(kv_caches.items()):
-            if not isinstance(t, torch.Tensor):
-                # a state-space layer's state tensors: such a group is not carried (.groups), and
-                # the scheduler half plans nothing of it
+            if name not in attention or not isinstance(t, torch.Tensor):
                 continue
             if t.data_ptr() in seen:  # KV-sharing layers alias their target's tensor
                 continue

@@ -273,11 +273,13 @@ def main() -> None:
         prompts = {f"req{i}": system + [rng.randrange(3, 512) for _ in range(100 + 37 * i)] for i in range(3)}
         for rid, toks in prompts.items():
             eng.add_request(rid, TokensPrompt(prompt_token_ids=toks), sp(a.get("max_tokens", 240)))
-        prompts["seeded0"] = system + [rng.randrange(3, 512) for _ in range(120)]
-        seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=240, ignore_eos=True)
-        eng.add_request("seeded0", TokensPrompt(prompt_token_ids=prompts["seeded0"]), seeded)
+        if a.get("seeded", True):  # (off for a model whose seeded sampling vLLM's CPU build cannot run)
+            prompts["seeded0"] = system + [rng.randrange(3, 512) for _ in range(120)]
+            seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=240, ignore_eos=True)
+            eng.add_request("seeded0", TokensPrompt(prompt_token_ids=prompts["seeded0"]), seeded)
         outs = {}
-        drain(llm, outs, until=lambda o: len(o) == 4 and min(len(v["tokens"]) for v in o.values()) >= 40)
+        n = len(prompts)
+        drain(llm, outs, until=lambda o: len(o) == n and min(len(v["tokens"]) for v in o.values()) >= 40)
         taken = session.checkpoint(a["socket"], repo, "w0", generate=make_generate(llm, outs))
         m, st = taken.manifest, taken.stats
         res["canary"] = m.canary
