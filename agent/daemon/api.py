@@ -21,7 +21,8 @@ Errors are ``{"error": {"type", "message"}}`` with 400 (malformed), 404,
 405, 408 (request not received in time), 409 (agent stopping), 413 (body
 over 64 KiB), 414/431 (request line or a header over 64 KiB), 500 or 503
 (at the connection limit). The socket is created with the configured mode
-(0660 by default) under a umask, never world-accessible; its group can be
+(0660 by default) in a private directory and linked into place, never
+world-accessible; its group can be
 set so operators in it may use the CLI.
 
 Bounds (any member of the socket's group can connect, so a slow or hostile
@@ -58,6 +59,7 @@ import socket
 import socketserver
 import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -574,15 +576,20 @@ class ApiServer:
             if not _is_stale_socket(self.path):
                 raise OSError(f"{self.path} is in use by another agent (or is not a socket)")
             self.path.unlink()
-        # Created with the final mode: no window in which the socket is wider open.
-        old = os.umask(0o777 & ~self.mode)
-        try:
-            srv = _Server(str(self.path), max_threads=self.max_threads, request_timeout=self.request_timeout)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, self.mode)
-        if self.group:
-            os.chown(self.path, -1, grp.getgrnam(self.group).gr_gid)
+        # Bound in a private (0700) directory beside it, given its mode and group there, then linked
+        # into place: no window in which the socket is wider open — and no process-wide umask,
+        # which would change the mode of whatever another thread creates meanwhile.
+        with tempfile.TemporaryDirectory(prefix=".g", dir=self.path.parent) as private:
+            tmp = Path(private) / "s"
+            srv = _Server(str(tmp), max_threads=self.max_threads, request_timeout=self.request_timeout)
+            try:
+                os.chmod(tmp, self.mode)
+                if self.group:
+                    os.chown(tmp, -1, grp.getgrnam(self.group).gr_gid)
+                os.link(tmp, self.path)  # refuses (EEXIST) if another agent took the path meanwhile
+            except BaseException:
+                srv.server_close()
+                raise
         srv.agent = self.agent
         self._server = srv
         self._thread = threading.Thread(target=srv.serve_forever, name="gpuckpt-api", daemon=True)
