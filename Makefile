@@ -10,7 +10,7 @@ SGPY     = $(SGVENV)/bin/python
 SGSTAMP  = $(SGVENV)/.installed
 ENGINE  ?= vllm
 
-.PHONY: test lint check bench bench-vllm bench-retries bench-overhead demo demo-repo clean sglang-venv
+.PHONY: test lint check bench bench-vllm bench-retries bench-overhead bench-sglang-pause demo demo-repo clean sglang-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,11 @@ bench-retries: $(STAMP)
 # what loading gpuckpt costs a worker that is not being checkpointed (issue 24)
 bench-overhead: $(STAMP)
 	$(PY) bench/vllm_step_overhead.py
+
+# an SGLang server's longest scheduler pause during a capture at 1× and 8× the KV, and the
+# linker's cost while nothing is checkpointed (issue 24)
+bench-sglang-pause: $(STAMP) $(SGSTAMP)
+	GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) bench/sglang_capture_pause.py
 
 clean:
 	rm -rf $(VENV) $(SGVENV) .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache

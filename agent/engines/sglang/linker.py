@@ -255,6 +255,10 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
         self._pending: dict[str, tuple[torch.Tensor, list[tuple[str, bytes]]]] = {}
         self._restored: dict[str, int] = {}  # rid → tokens loaded from offered pages
         self._lookups = 0
+        # the linker's own time on the scheduler thread in its per-step and per-insert hooks (the
+        # idle cost, read by bench/sglang_capture_pause.py)
+        self._hook_s = 0.0
+        self._offers = 0
         sock = extra.get("control_socket")
         if sock:
             self.serve(str(sock))
@@ -782,9 +786,12 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
         """A node the tree inserted (or met again on an insert), offered for the store: its pages'
         keys are recorded for the tree walk (:mod:`.tree`), nothing is taken — a capture reads
         the pools — so the tree offers it again with every insert beneath it."""
+        t0 = time.perf_counter()
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is not None and kv.keys and kv.device_indices is not None:
             self._tree.learn(list(kv.keys), kv.device_indices, _offered_node())
+        self._offers += 1
+        self._hook_s += time.perf_counter() - t0
         return False
 
     def _zero(self, *args: Any, **kwargs: Any) -> int:
@@ -793,7 +800,9 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
     @guard(_zero)
     def num_completed_offloads(self) -> int:
         """Never any (see :meth:`offload`); called once per scheduler loop: the step boundary."""
+        t0 = time.perf_counter()
         self._boundary()
+        self._hook_s += time.perf_counter() - t0
         return 0
 
     def pop_completed_offload(self) -> bool:
@@ -938,6 +947,8 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
             "step": self._step,
             "lookups": self._lookups,
             "tree_pages_named": len(self._tree.pages),
+            "hook_s": self._hook_s,
+            "offers": self._offers,
             "stream": None if st is None else {"seq": st.seq, "pins": len(st.pins), **st.summary()},
             "pins_to_release": len(self._unpin),
             "disabled": self._disabled,
