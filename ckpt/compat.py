@@ -224,6 +224,7 @@ def kv_groups(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
             return Verdict.MISMATCH, f"KV cache group {i}: checkpoint {x}, here {y}"
     return Verdict.MATCH, ""
 
+
 for _name, _description in _HOST_RULES.items():
     register(Rule(_name, _description, _host(_name)))
 

@@ -31,7 +31,7 @@ from typing import Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["ABSENT", "FactValue", "HostFacts", "Pins", "WorkerFacts"]
+__all__ = ["ABSENT", "GPU_FACTS", "FactValue", "HostFacts", "Pins", "WorkerFacts"]
 
 ABSENT: Final = "absent"
 """The value of a fact that is known not to exist (as opposed to ``None``, unknown)."""
@@ -124,6 +124,18 @@ class WorkerFacts(BaseModel):
     """The KV cache groups, group by group: ``full`` for one full-attention group (also what
     ``None`` means: every checkpoint before hybrid groups, and engines that do not report them),
     else e.g. ``g0=sliding_window:64/2;g1=full/2`` (kind, window, layers)."""
+
+
+#: the host facts about its accelerator a worker may tell for the host it runs on (on Kubernetes
+#: only the worker's container sees the GPU; see agent.session.worker.host_pins)
+GPU_FACTS: tuple[str, ...] = (
+    "gpu_product",
+    "gpu_compute_capability",
+    "gpu_count",
+    "driver_version",
+    "cuda_driver_version",
+    "cuda_runtime_version",
+)
 
 
 class Pins(BaseModel):

@@ -21,8 +21,8 @@ from agent.engines import staging
 from agent.engines.control import ControlError
 from agent.engines.types import Capture, CaptureStats, Checkpointed, CheckpointStats, PrecopyStats, Staging
 from agent.session.capture import capture
-from agent.session.worker import WorkerLike, describe, reach
-from ckpt import Block, BlocksMissing, Existing, Pins, Repository, host_facts
+from agent.session.worker import WorkerLike, describe, host_pins, reach
+from ckpt import Block, BlocksMissing, Existing, Pins, Repository
 from ckpt.save import SaveOptions, SaveProgress
 
 __all__ = ["CheckpointOptions", "checkpoint", "precopy"]
@@ -140,7 +140,7 @@ def checkpoint(
                 options=_save_options(repo, cap),
                 worker_id=worker_id,
                 namespace=desc.in_domain(opts.trust_domain or worker_id),
-                pins=Pins(host=host_facts(), worker=desc.facts),
+                pins=Pins(host=host_pins(desc), worker=desc.facts),
                 layout=layout,
                 ledger=cap.ledger,
                 labels=labels,

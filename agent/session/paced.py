@@ -73,9 +73,7 @@ def checkpoint_around(
     opts = dataclasses.replace(options or CheckpointOptions(), **fields)
     if opts.when is None:
         raise TypeError("checkpoint_around needs the condition `when` to capture at")
-    return _around(
-        worker, "captures_pending", lambda: checkpoint(worker, repo, worker_id, opts), start, opts.timeout
-    )
+    return _around(worker, "captures_pending", lambda: checkpoint(worker, repo, worker_id, opts), start, opts.timeout)
 
 
 def wait_around(

@@ -9,8 +9,8 @@ from typing import Any
 
 from agent.engines import ledgers, shards
 from agent.engines.types import TRUST_DOMAIN, WorkerDescription
-from agent.session.worker import WorkerLike, describe
-from ckpt import Manifest, Pins, Policy, decide, host_facts
+from agent.session.worker import WorkerLike, describe, host_pins
+from ckpt import Manifest, Pins, Policy, decide
 from ckpt.compat import STRICT, RuleResult, rule_json
 
 __all__ = ["Decision", "plan", "restore_decision"]
@@ -70,7 +70,7 @@ def restore_decision(
     from workers this one does not trust. A checkpoint that names no domain (an older agent's) is
     allowed: those deduplicated across every worker of the repository (docs/agent.md)."""
     policy = policy or STRICT
-    decision = decide(m.pins, Pins(host=host_facts(), worker=desc.facts), policy)
+    decision = decide(m.pins, Pins(host=host_pins(desc), worker=desc.facts), policy)
     reasons = list(decision.reasons)
     fields = {k: v for k, v in m.namespace.items() if k != TRUST_DOMAIN}
     if fields != dict(desc.namespace_fields):

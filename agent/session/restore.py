@@ -224,9 +224,7 @@ def restore(
         return cold(reasons, RestoreStats())
     states, problems = _request_states(m, warm=True)
     out_dir = (
-        Path(opts.staging_dir)
-        if opts.staging_dir
-        else staging.default_dir(f"{restore_rest.RESTORE_TAG}{os.getpid()}")
+        Path(opts.staging_dir) if opts.staging_dir else staging.default_dir(f"{restore_rest.RESTORE_TAG}{os.getpid()}")
     )
     # the worker reads these files: with two accounts, through the shared group (see agent.fs)
     out = Staging(out_dir, opts.trust or w.where.trust)

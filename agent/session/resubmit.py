@@ -95,9 +95,7 @@ class Resubmitted:
     def left_to_client(self) -> dict[str, str]:
         """Requests not resubmitted (their client's retry computes them), and why."""
         return {
-            c.request.request_id: c.completion.left_to_client
-            for c in self.continuations
-            if c.completion.left_to_client
+            c.request.request_id: c.completion.left_to_client for c in self.continuations if c.completion.left_to_client
         }
 
 
@@ -137,9 +135,7 @@ def resubmit(
     """
     outs = client.submit(requests) if stream is None else client.submit(requests, stream=stream)
     unapplied = unapplied_states(worker) if worker is not None else {}
-    conts = tuple(
-        Continuation(r, outs[r.request_id], (*r.reasons, *unapplied.get(r.request_id, []))) for r in requests
-    )
+    conts = tuple(Continuation(r, outs[r.request_id], (*r.reasons, *unapplied.get(r.request_id, []))) for r in requests)
     return Resubmitted(conts, dict(outs))
 
 

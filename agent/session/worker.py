@@ -13,15 +13,18 @@ Errors are the channel's (:mod:`agent.engines.channel`): nothing answering is
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from agent.engines.base import Engine
 from agent.engines.channel import WorkerChannel
 from agent.engines.types import Staging, WorkerDescription
-from ckpt import EngineMismatch, WorkerFacts
+from ckpt import EngineMismatch, HostFacts, WorkerFacts, host_facts
+from ckpt.pins import GPU_FACTS
 
 __all__ = [
+    "host_pins",
     "Socket",
     "Worker",
     "WorkerLike",
@@ -109,3 +112,30 @@ def wait_until(worker: WorkerLike, *, live: int, min_outputs: int = 0, timeout: 
     request's outputs at that boundary.
     """
     return dict(channel_of(worker).wait(when={"live": live, "min_outputs": min_outputs}, timeout=timeout).raw)
+
+
+def host_pins(desc: WorkerDescription) -> HostFacts:
+    """This host's pinned facts for a checkpoint of the worker ``desc`` describes, or a restore into
+    it: the agent's own probe, with the accelerator facts it cannot see filled from the worker's
+    (``layout["host"]``, probed in the worker's process).
+
+    On Kubernetes the device plugin gives the GPU to the worker's container only; the agent
+    beside it sees none, and without the worker's word every GPU fact would be unknown on both
+    sides — and every warm restore refused. Where the agent sees the accelerator itself (one
+    host, systemd), its own probe wins. Each fact is validated on its own; a malformed one stays
+    unknown."""
+    own = host_facts()
+    theirs = desc.layout.get("host") if isinstance(desc.layout, Mapping) else None
+    if not isinstance(theirs, Mapping):
+        return own
+    fill: dict[str, Any] = {}
+    for k in GPU_FACTS:
+        v = theirs.get(k)
+        if v is None or getattr(own, k) is not None:
+            continue
+        try:
+            HostFacts.model_validate({k: v})
+        except ValueError:
+            continue
+        fill[k] = v
+    return own.model_copy(update=fill) if fill else own

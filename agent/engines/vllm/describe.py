@@ -18,6 +18,7 @@ from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
 from agent.engines.vllm.groups import LEGACY_SIGNATURE, kv_groups, not_carried, signature
 from ckpt import ABSENT, fingerprint
+from ckpt.pins import GPU_FACTS
 
 __all__ = ["attention_backend_name", "describe", "page_format"]
 
@@ -131,7 +132,11 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "prefix_hash_seed": get_none_hash_seed(),
         "kv_groups": sig,
     }
+    # the accelerator as this process sees it: on Kubernetes only the worker's container has the GPU
+    # (agent.session.worker.host_pins fills the agent's unknowns from it)
+    host = fingerprint.host_facts(use_cuda=False).model_dump(include=set(GPU_FACTS))
     layout_doc = {
+        "host": host,
         "device": device,
         "isa": isa,
         "attention_backend": backend,
