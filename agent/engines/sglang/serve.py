@@ -44,8 +44,12 @@ CPU_ARGS = (
     "--skip-tokenizer-init",
     "--dtype",
     "float32",
+    # SGLang sizes its KV pool as the host memory free after loading the weights less
+    # (1 - this) × the memory free before; with 0.05, another process allocating more than 5 % of
+    # the host's free memory meanwhile (an engine starting beside it) failed the start ("Loaded
+    # weights leave no GPU memory"). --max-total-tokens caps the pool anyway.
     "--mem-fraction-static",
-    "0.05",
+    "0.3",
     "--max-total-tokens",
     "8192",
 )
