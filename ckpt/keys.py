@@ -138,15 +138,25 @@ def _read_key_file(path: Path) -> bytes:
     The file is opened without following a final symlink and checked through
     the open descriptor (no window between the check and the read): it must be
     a regular file owned by the effective user or root, with no group or other
-    permission bits.
+    permission bits. The one exception is a Kubernetes Secret volume's entry
+    (:func:`_secret_volume_entry`): its link is followed, and its file may be
+    readable by a group this process is in (the pod's fsGroup), never written.
     """
+    group_read = False
     try:
         # O_NONBLOCK: a FIFO planted at the path must not hang the open; it is refused below.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        if exc.errno != errno.ELOOP:
+            raise ConfigError(f"key file {path}: {exc.strerror}") from None
+        target = _secret_volume_entry(path)
+        if target is None:
             raise ConfigError(f"key file {path} is a symbolic link; name the file itself") from None
-        raise ConfigError(f"key file {path}: {exc.strerror}") from None
+        try:
+            fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc2:
+            raise ConfigError(f"key file {path} ({target}): {exc2.strerror}") from None
+        group_read = True
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -155,7 +165,10 @@ def _read_key_file(path: Path) -> bytes:
         if st.st_uid not in (uid, 0):
             raise ConfigError(f"key file {path} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root")
         mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
+        # A Secret volume's file is root's: a non-root agent reads it through the pod's fsGroup
+        # (mode 0440 / 0040), a group only the pods' containers that mount the volume can use.
+        allowed = 0o040 if group_read and st.st_gid in {os.getegid(), *os.getgroups()} else 0
+        if mode & 0o077 & ~allowed:
             raise ConfigError(f"key file {path} is open to group or others (mode {mode:04o}); chmod 600 {path}")
         if st.st_size > _KEY_FILE_MAX:
             raise ConfigError(f"key file {path} is {st.st_size} bytes, too large to be a key")
@@ -174,6 +187,29 @@ def _read_key_file(path: Path) -> bytes:
         raise ConfigError(f"key file {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
+
+
+def _secret_volume_entry(path: Path) -> Path | None:
+    """The file a Kubernetes Secret (or ConfigMap / projected) volume entry names, or ``None``.
+
+    The kubelet writes such volumes atomically: ``<dir>/<name>`` is a symlink to
+    ``..data/<name>``, ``..data`` a symlink to ``..<timestamp>``, a directory beside it that holds
+    the files. Only exactly that shape is followed — every link relative and inside ``<dir>``, the
+    versioned directory a real directory owned by this user or root and writable by nobody
+    else — so a link elsewhere is still refused.
+    """
+    try:
+        if os.readlink(path) != f"..data/{path.name}":
+            return None
+        version = os.readlink(path.parent / "..data")
+        if "/" in version or not version.startswith("..") or version in ("..", "..data"):
+            return None
+        st = os.lstat(path.parent / version)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+        return None
+    return path.parent / version / path.name
 
 
 def generate_key() -> str:

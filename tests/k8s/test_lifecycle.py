@@ -351,12 +351,12 @@ def test_pod_b_adopts_a_and_the_in_flight_requests_continue_token_exact(lifecycl
     assert lifecycle["agent_b_exit"] == 0
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason="product defect: the key Secret as mounted is refused")
 def test_the_key_secret_as_the_kubelet_mounts_it_is_accepted(tmp_path: Path) -> None:
     """The chart mounts the repository key Secret with defaultMode 0440 (the agent reads it through
     the pod's fsGroup: the file is root's), and the kubelet makes ``key`` a symlink to
     ``..data/key`` (atomic updates). ckpt.keys refuses both a symlink (O_NOFOLLOW) and any group
-    bit, so the agent of a chart with ``repository.keySecret`` set exits at start on a cluster."""
+    bit: the agent of a chart with ``repository.keySecret`` set exited at start on a cluster. Now the
+    kubelet's atomic-writer layout is followed, and group read through a group of ours accepted."""
     mount = tmp_path / "repository-key"
     version = mount / "..2026_01_01_00_00_00.000000000"
     version.mkdir(parents=True)
@@ -364,4 +364,14 @@ def test_the_key_secret_as_the_kubelet_mounts_it_is_accepted(tmp_path: Path) -> 
     (version / "key").chmod(0o440)
     (mount / "..data").symlink_to(version.name)
     (mount / "key").symlink_to("..data/key")
-    KeySource.parse(f"file:{mount / 'key'}").load()
+    assert KeySource.parse(f"file:{mount / 'key'}").load() is not None
+    # anything else stays refused: a link elsewhere, group write, another group's read
+    (mount / "other").symlink_to(version / "key")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        KeySource.parse(f"file:{mount / 'other'}").load()
+    (version / "key").chmod(0o460)
+    with pytest.raises(ConfigError, match="open to group or others"):
+        KeySource.parse(f"file:{mount / 'key'}").load()
+    (version / "key").chmod(0o444)
+    with pytest.raises(ConfigError, match="open to group or others"):
+        KeySource.parse(f"file:{mount / 'key'}").load()
