@@ -9,6 +9,8 @@ objects, unit-tested against vLLM's real spec classes
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any
 
@@ -20,7 +22,7 @@ from agent.engines.vllm.groups import LEGACY_SIGNATURE, kv_groups, not_carried, 
 from ckpt import ABSENT, fingerprint
 from ckpt.pins import GPU_FACTS
 
-__all__ = ["attention_backend_name", "describe", "page_format"]
+__all__ = ["attention_backend_name", "describe", "kv_scales", "kv_scales_digest", "page_format"]
 
 
 def page_format(
@@ -42,7 +44,10 @@ def page_format(
     quantization mode, plus the CPU backend's instruction set (its in-page
     order of K depends on it). The number of heads is not part of it: a
     stored page holds all of them (:mod:`.shards`), and ``num_kv_heads`` is a
-    pin of its own.
+    pin of its own. A packed content (``state_content_bytes``: DeepSeek's
+    ``fp8_ds_mla``, 656 bytes a token with its scales inside) adds its bytes,
+    ``latent576@656B``: its element count no longer says its size
+    (docs/design/vllm-gpu-kv-formats.md).
     """
     if backend is None or kv_cache_layout is None:
         return None
@@ -50,6 +55,9 @@ def page_format(
     hv = getattr(spec, "head_size_v", None)
     mla = type(spec).__name__.startswith("MLA") or "MLA" in backend
     content = f"latent{hk}" if mla else f"k{hk}+v{hv if hv is not None else hk}"
+    packed = getattr(spec, "state_content_bytes", None)
+    if packed:
+        content += f"@{int(packed)}B"
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     heads = int(getattr(spec, "num_kv_heads", 1) or 1)
     slots = getattr(spec, "num_head_slots", None)
@@ -76,11 +84,14 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
     # .groups); a physical page holds as many layer slots as the largest group has layers
     group = next((g for g, d in zip(kv_cache_config.kv_cache_groups, groups, strict=True) if d.layout), None)
     group = group or kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
+    spec = _layer_spec(group.kv_cache_spec)
     slots = max(d.layers for d in groups)
     sig = signature(groups)
     model_dtype = str(mc.dtype).removeprefix("torch.")
-    kv_dtype = model_dtype if cc.cache_dtype == "auto" else str(cc.cache_dtype)
+    # the layers' own KV dtype where the spec names it: an MLA worker's layers may serve "fp8" (or
+    # "auto") as fp8_ds_mla and say so only in their spec, not in this process's cache_config
+    cache_dtype = str(getattr(spec, "cache_dtype_str", None) or cc.cache_dtype)
+    kv_dtype = model_dtype if cache_dtype == "auto" else cache_dtype
     device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
     tp = int(pc.tensor_parallel_size)
     backends = {r.get("backend") for r in reports}
@@ -110,6 +121,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         tok = mc.tokenizer if mc.tokenizer and os.path.isdir(mc.tokenizer) else mc.model
         tokenizer_digest = fingerprint.tokenizer_digest(tok)
     model_runner = "v2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1"
+    scales = kv_scales_digest(reports, tp, kv_dtype)
     facts = {
         "engine": "vllm",
         "engine_version": vllm.__version__,
@@ -149,6 +161,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "layers": sorted(group.layer_names),
         "kv_groups": [g.to_json() for g in groups],
         "kv_not_carried": not_carried(groups),
+        "kv_scales": scales,
         "tensor_parallel_size": tp,
         "model_runner": model_runner,
         "async_scheduling": bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
@@ -166,6 +179,10 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         + ("" if sig == LEGACY_SIGNATURE else f"/{sig}"),
         "hash": f"{facts['prefix_hash_algo']}/{facts['prefix_hash_seed']}",
     }
+    if scales is not None:
+        # a namespace field, not a pin: blocks are keyed by their tokens and a blob already stored
+        # is not written again, so pages of differently scaled workers must never share a key
+        ns["kv_scales"] = scales
     return {"facts": facts, "layout": layout_doc, "namespace": ns}
 
 
@@ -181,3 +198,80 @@ def attention_backend_name(vllm_config: Any) -> str | None:
         if name:
             names.add(str(name))
     return names.pop() if len(names) == 1 else None
+
+
+def _layer_spec(spec: Any) -> Any:
+    """One layer's spec of a group: a ``UniformTypeKVCacheSpecs`` group (layers of different page
+    sizes, e.g. MLA with DeepSeek V3.2's indexer) holds one per layer; the first describes it."""
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return next(iter(per_layer.values())) if per_layer else spec
+
+
+def _quantized(kv_cache_dtype: str) -> bool:
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+    try:
+        return kv_cache_dtype != "auto" and bool(is_quantized_kv_cache(kv_cache_dtype))
+    except (KeyError, ValueError):  # a dtype this vLLM does not know: say quantized, pin its scales
+        return True
+
+
+def kv_scales(vllm_config: Any) -> dict[str, list[Any]] | None:
+    """This rank's KV quantization scales, ``{layer: [kv_cache_dtype, k scales, v scales]}``, or
+    ``None`` when no attention layer quantizes its KV cache.
+
+    A layer quantizing per tensor (fp8, fp8_e4m3, fp8_e5m2) keeps its scales outside the page, in
+    ``_k_scale`` / ``_v_scale`` (one value, or one per local KV head under compressed-tensors'
+    ``attn_head`` strategy), loaded from the model's weights, 1.0 when they have none: the page's
+    bytes mean nothing without them. Per-token-head modes and ``fp8_ds_mla`` keep theirs in the
+    page (their ``_k_scale`` is 1.0). Read from the layers in ``static_forward_context``, as
+    :func:`attention_backend_name` is; layers without scales (an indexer's cache, SSM state) are
+    left out."""
+    out: dict[str, list[Any]] = {}
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    for name, layer in sorted(ctx.items()):
+        dtype = getattr(layer, "kv_cache_dtype", None)
+        k, v = getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
+        if not isinstance(dtype, str) or k is None or v is None:
+            continue
+        out[name] = [dtype, _values(k), _values(v)]
+    if not any(_quantized(d) for d, _, _ in out.values()):
+        return None
+    return out
+
+
+def _values(t: Any) -> list[float]:
+    flat = t.detach().flatten().tolist() if hasattr(t, "detach") else [t]
+    return [float(x) for x in flat]
+
+
+def kv_scales_digest(reports: list[dict[str, Any]], tp: int, kv_dtype: str) -> str | None:
+    """The worker's KV scales as one namespace value, the same at every TP size; ``None`` for the
+    default (no rank quantizes, or every layer has the worker's KV dtype and scales of 1.0: what
+    every checkpoint before this fact had — their namespace is unchanged); ``"unknown"`` until
+    every rank has reported.
+
+    Per-head scales are placed by the heads each rank holds (``kv_heads``) and a layer whose
+    heads share one value keeps one: a TP=2 worker's pages restore into a TP=1 worker with the
+    same scales, as pages do."""
+    got = [r for r in reports if r.get("kv_scales")]
+    if not got:
+        return None
+    if len(got) != tp:
+        return "unknown"
+    layers: dict[str, list[Any]] = {}
+    for r in sorted(got, key=lambda r: int(r.get("rank", 0))):
+        start, count = (r.get("kv_heads") or [0, 1])[:2]
+        for name, (dtype, k, v) in r["kv_scales"].items():
+            entry = layers.setdefault(name, [dtype, {}, {}])
+            for vals, into in ((k, entry[1]), (v, entry[2])):
+                for h in range(int(count)):
+                    into[int(start) + h] = vals[h] if len(vals) > 1 and h < len(vals) else vals[0]
+    canon = {}
+    for name, (dtype, k, v) in sorted(layers.items()):
+        ks, vs = ([d[h] for h in sorted(d)] for d in (k, v))
+        canon[name] = [dtype, ks if len(set(ks)) > 1 else ks[:1], vs if len(set(vs)) > 1 else vs[:1]]
+    if all(d == kv_dtype and k == [1.0] and v == [1.0] for d, k, v in canon.values()):
+        return None
+    blob = json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]

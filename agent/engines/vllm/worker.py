@@ -48,7 +48,7 @@ from agent.engines.shards import Heads, full_shape, local_heads
 from agent.engines.vllm.capture import CopyJob
 from agent.engines.vllm.commands import staging_of
 from agent.engines.vllm.copier import Gathered, PageCopier
-from agent.engines.vllm.describe import attention_backend_name
+from agent.engines.vllm.describe import attention_backend_name, kv_scales
 from agent.engines.vllm.meta import GpuckptMeta, GpuckptWorkerMeta
 from ckpt.errors import EngineError
 
@@ -164,7 +164,10 @@ class WorkerHalf:
         """This rank's self-description for the scheduler half's ``describe``."""
         assert self.heads is not None
         t = self.kv[0][1]
-        return {
+        # a quantized KV cache's scales live outside its pages (describe folds every rank's into
+        # the namespace); absent when nothing is quantized, so such a report is what it always was
+        scales = kv_scales(self.vllm_config)
+        report = {
             "rank": self.rank,
             "device": str(t.device),
             "backend": attention_backend_name(self.vllm_config),
@@ -175,6 +178,9 @@ class WorkerHalf:
             "dtype": self.dtype(),
             "runner": type(self.runner).__name__,
         }
+        if scales is not None:
+            report["kv_scales"] = scales
+        return report
 
     def generator(self, rid: str) -> torch.Generator | None:
         st = self.runner.requests.get(rid) if self.runner is not None else None
