@@ -7,15 +7,36 @@ a live worker on the default GPU backend (FLASH_ATTN on SM90) mid-decode,
 SIGKILLs it and restores into a fresh one: warm, canary matched, every
 continuation token-identical to the uninterrupted run, the named backend and
 page format in the manifest; with two GPUs the same at TP=2, and TP=2 → TP=1.
+
+``--mla`` and ``--fp8`` check the KV formats of docs/design/vllm-gpu-kv-formats.md
+(each launches workers through the same script, with the engine arguments it
+names):
+
+- ``--mla``: a tiny random DeepSeek-V3-style model (MLA, latent 512 + RoPE 64,
+  bf16, block 64) on this GPU's default MLA backend: warm and token-identical
+  on the same host, the page format naming the backend and ``latent576``; the
+  same checkpoint into a worker forced onto TRITON_MLA is refused, naming
+  ``attention_backend`` and ``kv_layout``.
+- ``--fp8``: the tiny Llama with ``kv_cache_dtype=fp8``: warm and
+  token-identical, ``kv_dtype`` fp8 and ``qFP8_PER_TENSOR`` pinned, no
+  ``kv_scales`` namespace field (its scales are 1.0: no scales in its weights);
+  the same checkpoint into an ``fp8_e5m2`` worker (TRITON_ATTN) and into a
+  bf16 worker is refused, naming ``kv_dtype``. With ``--fp8-model PATH`` (a
+  checkpoint whose weights carry k/v scales, e.g. an llm-compressor FP8 model
+  with a ``kv_cache_scheme``), also: warm and token-identical, and its
+  namespace carries ``kv_scales`` (a differently scaled worker's checkpoint is
+  then refused by name: unit-tested in tests/test_vllm_kv_formats.py).
+
 Run on a host with a CUDA GPU:
 
-    python bench/gpu_check.py [--mib 1024] [--vllm]
+    python bench/gpu_check.py [--mib 1024] [--vllm] [--mla] [--fp8 [--fp8-model PATH]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -37,6 +58,9 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--block-mib", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="also checkpoint and restore a live vLLM worker")
+    ap.add_argument("--mla", action="store_true", help="also a DeepSeek-V3-style MLA worker (warm, refused elsewhere)")
+    ap.add_argument("--fp8", action="store_true", help="also an FP8-KV worker (warm, refused by KV dtype)")
+    ap.add_argument("--fp8-model", help="with --fp8: a checkpoint whose weights carry k/v scales")
     args = ap.parse_args()
     facts = host_facts()
     print("host facts:", json.dumps(facts.model_dump(mode="json"), indent=2))
@@ -82,6 +106,10 @@ def main() -> int:
     ok = copier_check() and ok
     if args.vllm:
         ok = vllm_checks() and ok
+    if args.mla:
+        ok = mla_checks() and ok
+    if args.fp8:
+        ok = fp8_checks(args.fp8_model) and ok
     return 0 if ok else 1
 
 
@@ -122,13 +150,14 @@ def vllm_checks() -> bool:
 
     # The test suite's worker script is the one to run here; imported by name
     # so that mypy's strict check of bench/ does not follow into the tests.
-    harness = importlib.import_module("tests.vllm.conftest")
+    harness = importlib.import_module("tests.harness.vllm")
+    models = importlib.import_module("tests.harness.models")
     run_worker = harness.run_worker
 
     ok = True
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model = harness.write_tiny_llama(tmp / "model", dtype="bfloat16")
+        model = models.write_tiny_llama(tmp / "model", dtype="bfloat16")
         base: dict[str, Any] = {
             "model": str(model),
             "repo": str(tmp / "repo"),
@@ -178,6 +207,206 @@ def vllm_checks() -> bool:
                 )
                 ok = ok and b["warm"] and same and cached
     return ok
+
+
+# --- KV formats: MLA and FP8 (docs/design/vllm-gpu-kv-formats.md) ------------------------------
+
+#: the engine arguments the launcher adds to the test worker's ``LLM(...)`` (the worker script
+#: takes a fixed set; these checks need a KV dtype and a backend besides)
+_LLM_EXTRA = "GPUCKPT_GPU_CHECK_LLM"
+
+_LAUNCHER = """import json, os, runpy, sys
+import vllm
+extra = json.loads(os.environ.get(%(env)r) or "{}")
+base = vllm.LLM
+class LLM(base):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **{**k, **extra})
+vllm.LLM = LLM
+sys.argv[0] = %(worker)r
+runpy.run_path(%(worker)r, run_name="__main__")
+"""
+
+
+def _worker(harness: Any, tmp: Path) -> Any:
+    """``harness.run_worker`` running the test worker script through a launcher that adds the
+    ``LLM`` arguments in ``$GPUCKPT_GPU_CHECK_LLM``."""
+    launcher = tmp / "launch_worker.py"
+    launcher.write_text(_LAUNCHER % {"env": _LLM_EXTRA, "worker": str(harness.WORKER)})
+    harness.WORKER = launcher
+
+    def run(args: dict[str, Any], llm: dict[str, Any], **kw: Any) -> Any:
+        os.environ[_LLM_EXTRA] = json.dumps(llm)
+        try:
+            return harness.run_worker(args, tmp, **kw)
+        finally:
+            os.environ.pop(_LLM_EXTRA, None)
+
+    return run
+
+
+def write_tiny_deepseek_v3(path: Path, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V3-style model: MLA (kv_lora_rank 512 + RoPE 64 = vLLM's 576-wide
+    latent), dense MLPs only (no MoE layer), bf16."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=4096,
+        rope_scaling=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _restore_check(
+    run: Any, base: dict[str, Any], a: dict[str, Any], llm: dict[str, Any], name: str, tmp: Path
+) -> dict[str, Any]:
+    b: dict[str, Any] = run(
+        {
+            **base,
+            "mode": "restore",
+            "checkpoint": a["checkpoint"],
+            "turn1": a["turn1"],
+            "socket": str(tmp / f"{name}.sock"),
+            "staging": str(tmp / f"s-{name}"),
+        },
+        llm,
+    )
+    return b
+
+
+def _warm_then_refused(
+    label: str,
+    model: Path,
+    tmp: Path,
+    llm: dict[str, Any],
+    others: dict[str, dict[str, Any]],
+    expect: dict[str, Any],
+) -> bool:
+    """Checkpoint a worker started with ``llm`` mid-decode, SIGKILL it, restore into a fresh one
+    with the same arguments (warm, canary matched, token-identical, one recomputed token a request,
+    ``expect``'s pins and namespace fields in the manifest), then into one worker for each of
+    ``others`` (name → its ``LLM`` arguments and the pins or namespace fields the refusal must
+    name, under ``"names"``): cold, naming them."""
+    import importlib
+
+    harness = importlib.import_module("tests.harness.vllm")
+    run = _worker(harness, tmp)
+    base: dict[str, Any] = {
+        "model": str(model),
+        "repo": str(tmp / f"repo-{label}"),
+        "dtype": "bfloat16",
+        "block_size": 64,
+        "gpu_memory_utilization": 0.2,
+        "max_tokens": 160,
+    }
+    a = run(
+        {**base, "mode": "checkpoint", "socket": str(tmp / f"{label}-a.sock"), "staging": str(tmp / f"{label}-sa")},
+        llm,
+        kill_after_result=True,
+    )
+    m = Repository.open(base["repo"]).manifest(a["checkpoint"])
+    w = m.pins.worker
+    print(f"{label}: backend {w.attention_backend}, page format {w.kv_layout}, kv_dtype {w.kv_dtype}, ns {m.namespace}")
+    ok = True
+    for field, want in expect.items():
+        got = m.namespace.get(field[3:]) if field.startswith("ns.") else getattr(w, field)
+        good = want(got) if callable(want) else got == want
+        print(f"  {field} = {got!r}: {'ok' if good else 'UNEXPECTED'}")
+        ok = ok and good
+    b = _restore_check(run, base, a, llm, f"{label}-same", tmp)
+    same = all(b["restored"][r]["full"] == ref for r, ref in a["reference"].items())
+    cached = all(v["num_cached_tokens"] == v["prompt_len"] - 1 for v in b["restored"].values())
+    canary = b["restore_stats"].get("canary", {}).get("match")
+    print(f"  restore, same arguments: warm={b['warm']} canary={canary} token-identical={same} one-token={cached}")
+    ok = ok and b["warm"] and same and cached
+    for name, other in others.items():
+        names = other["names"]
+        c = _restore_check(run, base, a, other["llm"], f"{label}-{name}", tmp)
+        named = all(any(r.startswith(f"{n}:") or f"'{n}'" in r for r in c["reasons"]) for n in names)
+        replayed = len(c["restored"]) == len(a["reference"])
+        print(f"  restore into {name}: warm={c['warm']} naming {names}: {named}, replayed cold: {replayed}")
+        print(f"    reasons {c['reasons']}")
+        ok = ok and not c["warm"] and named and replayed
+    return ok
+
+
+def mla_checks() -> bool:
+    """A DeepSeek-V3-style MLA worker: warm on the same host, refused on another MLA backend."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = write_tiny_deepseek_v3(tmp / "dsv3")
+        return _warm_then_refused(
+            "mla",
+            model,
+            tmp,
+            {},
+            {"triton_mla": {"llm": {"attention_backend": "TRITON_MLA"}, "names": ["attention_backend", "kv_layout"]}},
+            {"num_kv_heads": 1, "head_size": 576, "kv_layout": lambda v: bool(v) and ":latent576:" in v},
+        )
+
+
+def fp8_checks(scaled_model: str | None) -> bool:
+    """An FP8-KV worker: warm on the same host, refused into another KV dtype; with a scaled model,
+    its scales in the namespace."""
+    import importlib
+
+    models = importlib.import_module("tests.harness.models")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = models.write_tiny_llama(tmp / "model", dtype="bfloat16")
+        ok = _warm_then_refused(
+            "fp8",
+            model,
+            tmp,
+            {"kv_cache_dtype": "fp8"},
+            {
+                "fp8_e5m2": {
+                    "llm": {"kv_cache_dtype": "fp8_e5m2", "attention_backend": "TRITON_ATTN"},
+                    "names": ["kv_dtype"],
+                },
+                "bf16": {"llm": {}, "names": ["kv_dtype"]},
+            },
+            {
+                "kv_dtype": "fp8",
+                "kv_layout": lambda v: bool(v) and v.endswith(":qFP8_PER_TENSOR"),
+                "ns.kv_scales": None,
+            },
+        )
+        if scaled_model:
+            ok = (
+                _warm_then_refused(
+                    "fp8-scaled",
+                    Path(scaled_model),
+                    tmp,
+                    {"kv_cache_dtype": "fp8"},
+                    {},
+                    {"ns.kv_scales": lambda v: isinstance(v, str) and v.startswith("sha256:")},
+                )
+                and ok
+            )
+        return ok
 
 
 if __name__ == "__main__":
