@@ -26,7 +26,8 @@ from agent.engines import staging
 from agent.engines.channel import WorkerChannel
 from agent.engines.control import ControlError
 from agent.testing import SglangProcess
-from ckpt import Repository
+from ckpt import Repository, host_facts
+from ckpt.pins import GPU_FACTS
 from tests.harness.sglang import Start
 from tests.harness.waiting import wait_for
 
@@ -121,3 +122,13 @@ def test_a_flush_during_a_capture_ends_it_and_the_next_capture_works(old_then_ne
         parts = list(r.parts)
     assert _old_keys(s) <= keys
     assert _protected(s) == 0
+
+
+def test_the_description_carries_the_gpu_facts_as_the_servers_process_probes_them(server: SglangProcess) -> None:
+    # on Kubernetes only the worker's container has the GPU: the agent fills its unknowns from here
+    desc = WorkerChannel(server.control_socket).describe()
+    host = desc.layout["host"]
+    assert set(host) == set(GPU_FACTS)
+    mine = host_facts(use_cuda=False).model_dump(include=set(GPU_FACTS))
+    nvml = ("gpu_product", "gpu_count", "driver_version")  # one machine: NVML answers both processes alike
+    assert {k: host[k] for k in nvml} == {k: mine[k] for k in nvml}

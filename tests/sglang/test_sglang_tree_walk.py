@@ -1,16 +1,19 @@
 """The SGLang linker's tree walk and stream bookkeeping on their own (no SGLang: :mod:`.tree` takes a
 tree core's walk result, :mod:`.stream` is plain bookkeeping). The real tree core's walk is
-covered by tests/sglang/test_sglang_capture.py."""
+covered by tests/sglang/test_sglang_capture.py.
+
+A walk gives page numbers and pinning nodes only; a page's key is looked up as its chunk is taken
+(:class:`Planned`), so these tests name a walk's pages through the index as a chunk does."""
 
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from agent.engines.sglang.stream import Pending, Pin, Stream, chunk_pages
-from agent.engines.sglang.tree import TreeIndex
+from agent.engines.sglang.stream import Pending, Pin, Planned, Stream, chunk_pages
+from agent.engines.sglang.tree import NO_NODE, TreeIndex, Walk
 
 P = 4  # page size
 
@@ -20,6 +23,23 @@ def _core(rows: list[tuple[int, int, int]]) -> SimpleNamespace:
     slots, pos, prev = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows, strict=True))
     walk = SimpleNamespace(slot_indices=slots, positions=pos, prev_slot_indices=prev)
     return SimpleNamespace(walk_for_kv_canary=lambda unlocked_only, swa_resident_only: walk)
+
+
+def _named(idx: TreeIndex, walk: Walk) -> set[tuple[str, int, int | None]]:
+    """``(key hex, page, pinning node or None)`` of each page of ``walk``, named as a chunk names them."""
+    pages, pins = walk.pages.tolist(), walk.pins.tolist()
+    keys = idx.keys(pages, walk.generation)
+    return {(k.hex(), pg, None if pin == NO_NODE else pin) for k, pg, pin in zip(keys, pages, pins, strict=True)}
+
+
+def _planned(pages: list[Pending]) -> Planned:
+    """A stream's plan of ``pages``, named from their own keys (as the index would)."""
+    by_page = {p.page: p.key for p in pages}
+    return Planned(
+        [p.page for p in pages],
+        [NO_NODE if p.pin is None else p.pin for p in pages],
+        lambda pgs: [by_page[pg] for pg in pgs],
+    )
 
 
 def _node(first_slot: int, depth: int, prev: int, pages: int) -> list[tuple[int, int, int]]:
@@ -38,23 +58,61 @@ def test_the_walk_names_every_page_and_pins_each_by_its_node_or_one_below() -> N
     idx.learn(["cc"], torch.arange(20, 24), 7)  # B: offered as node 7
     idx.learn(["dd"], torch.arange(36, 40), 9)
     walk = idx.walk(_core(rows))
-    got = {(p.key.hex(), p.page, p.pin) for p in walk.pages}
-    assert got == {("aa", 1, 7), ("bb", 2, 7), ("cc", 5, 7), ("dd", 9, 9)}
+    assert _named(idx, walk) == {("aa", 1, 7), ("bb", 2, 7), ("cc", 5, 7), ("dd", 9, 9)}
     assert walk.unnamed == 1  # C
+
+
+def test_a_page_with_no_node_takes_a_pinned_page_below_it_in_any_child_and_none_outside_its_subtree() -> None:
+    # root → A (page 1, loaded: no node) → B (page 2, loaded) and → C (page 3, node 5);
+    # root → D (page 4, loaded, nothing pinned below: copied at the consistent point);
+    # root → E (page 6, node 8): after D in the walk, but not below it
+    rows = _node(4, 0, -1, 1) + _node(8, 4, 7, 1) + _node(12, 4, 7, 1) + _node(16, 0, -1, 1) + _node(24, 0, -1, 1)
+    idx = TreeIndex(P)
+    idx.learn(["aa", "bb"], torch.tensor([*range(4, 8), *range(8, 12)]), None)
+    idx.learn(["cc"], torch.arange(12, 16), 5)
+    idx.learn(["dd"], torch.arange(16, 20), None)
+    idx.learn(["ee"], torch.arange(24, 28), 8)
+    walk = idx.walk(_core(rows))
+    assert _named(idx, walk) == {("aa", 1, 5), ("bb", 2, None), ("cc", 3, 5), ("dd", 4, None), ("ee", 6, 8)}
+    assert walk.unnamed == 0
 
 
 def test_a_page_offered_again_under_a_new_node_takes_the_new_name() -> None:
     idx = TreeIndex(P)
     idx.learn(["aa"], torch.arange(8, 12), 1)
     idx.learn(["ee"], torch.arange(8, 12), 2)  # the slots freed and reused by another insert
-    (page,) = idx.walk(_core(_node(8, 0, -1, 1))).pages
-    assert (page.key.hex(), page.pin) == ("ee", 2)
+    walk = idx.walk(_core(_node(8, 0, -1, 1)))
+    assert _named(idx, walk) == {("ee", 2, 2)}
     idx.clear()
     assert idx.walk(_core(_node(8, 0, -1, 1))).unnamed == 1
+    with pytest.raises(LookupError, match="flushed"):  # a page planned before the flush is not named after it
+        idx.keys([2], walk.generation)
+
+
+def test_keys_are_looked_up_as_chunks_are_taken_and_a_key_taken_before_is_copied_once() -> None:
+    idx = TreeIndex(P)
+    idx.learn(["aa", "bb", "cc"], torch.arange(4, 16), 7)
+    walk = idx.walk(_core(_node(4, 0, -1, 3)))
+    asked: list[list[int]] = []
+
+    def name(pages: list[int]) -> list[bytes]:
+        asked.append(pages)
+        return idx.keys(pages, walk.generation)
+
+    st = Stream(1, "n", "/x", {}, Planned(walk.pages, walk.pins, name), chunk_pages=2, page_bytes=10, max_staging=100)
+    st.pins = {7: Pin("lock7", 3)}
+    st.seen = {bytes.fromhex("aa")}  # chunk 0 carries a live request's copy of it
+    assert asked == []  # nothing named at the consistent point
+    first = st.take()
+    assert [(p.key.hex(), p.page) for p in first] == [("bb", 2), ("cc", 3)]
+    assert asked == [[1, 2], [3]]  # a chunk's worth, then one more for the page left out
+    assert [p.lock for p in st.copied(first)] == ["lock7"]  # the page left out counts off its pin too
+    assert st.take() == []
+    assert not st.pending
 
 
 def test_a_pin_is_released_with_its_last_page_and_every_pin_when_the_stream_ends() -> None:
-    pages = deque([Pending(b"a", 1, 7), Pending(b"b", 2, 7), Pending(b"c", 3, 9)])
+    pages = _planned([Pending(b"a", 1, 7), Pending(b"b", 2, 7), Pending(b"c", 3, 9)])
     st = Stream(1, "capture-1-1", "/x", {}, pages, chunk_pages=2, page_bytes=10, max_staging=100)
     st.pins = {7: Pin("lock7", 2), 9: Pin("lock9", 1)}
     first = st.take()
@@ -69,8 +127,8 @@ def test_a_pin_is_released_with_its_last_page_and_every_pin_when_the_stream_ends
 def test_chunks_are_bounded_by_the_step_budget_and_the_staging_bound() -> None:
     assert chunk_pages(1000, max_staging=1 << 20, copy_per_step=10_000) == (10, 52)
     assert chunk_pages(1000, max_staging=8000, copy_per_step=10_000) == (2, 2)  # two chunks in half the bound
-    st = Stream(1, "n", "/x", {}, deque(), chunk_pages=1, page_bytes=10, max_staging=100, ring=2)
-    st.pending = deque(Pending(bytes([i]), i) for i in range(3))
+    st = Stream(1, "n", "/x", {}, _planned([]), chunk_pages=1, page_bytes=10, max_staging=100, ring=2)
+    st.pending = _planned([Pending(bytes([i]), i) for i in range(3)])
     for _ in range(2):
         st.issue(len(st.take()), 0.0)
     assert not st.can_issue()  # two chunks staged, none acknowledged

@@ -9,6 +9,7 @@ import sglang
 import torch
 
 from ckpt import ABSENT, fingerprint
+from ckpt.pins import GPU_FACTS
 
 __all__ = ["HASH_SCHEME", "describe"]
 
@@ -50,7 +51,11 @@ def describe(server_args: Any, k: list[torch.Tensor], page_size: int, tp: int, p
         "prefix_hash_algo": HASH_SCHEME.split("/")[0],
         "prefix_hash_seed": HASH_SCHEME.split("/")[1],
     }
+    # the accelerator as this process sees it: on Kubernetes only the worker's container has the GPU
+    # (agent.session.worker.host_pins fills the agent's unknowns from it)
+    host = fingerprint.host_facts(use_cuda=False).model_dump(include=set(GPU_FACTS))
     layout_doc = {
+        "host": host,
         "device": device,
         "attention_backend": backend,
         "page_size": page_size,

@@ -26,9 +26,10 @@ scheduler loops without sleeping (``--sleep-on-idle`` off, the default; with
 it on, it wakes at least once a second), so an idle server answers too; a
 paused one (``/pause_generation``) answers once it continues.
 
-Capture (``capture``, a stream; its bookkeeping is :mod:`.stream`, the tree
-walk :mod:`.tree`): at the first boundary where ``when`` holds — the
-consistent point — the linker writes the ledger (:mod:`.ledger`: running
+Capture (``capture``, a stream; driven by :mod:`.capture`, its bookkeeping
+is :mod:`.stream`, the tree walk :mod:`.tree`, the requests' keys and
+ledger entries :mod:`.state`): at the first boundary where ``when`` holds —
+the consistent point — the linker writes the ledger (:mod:`.ledger`: running
 batch, the last prefill batch, the chunked request and the waiting queue)
 and plans the pages:
 
@@ -41,7 +42,9 @@ and plans the pages:
   past the tail zeroed);
 - every full page of the radix tree, however old: the tree core's own walk
   from each root, each page named by the key the tree gave it
-  (:class:`.tree.TreeIndex`).
+  (:class:`.tree.TreeIndex`) — planned as page numbers and pinning nodes
+  only, each key looked up as its page is taken for a chunk, so the
+  consistent point's planning grows with the tree's nodes, not its pages.
 
 The tree's pages are pinned — a lock reference (``inc_lock_ref``) on the
 nodes that hold them — and copied over the next steps, at most
@@ -89,88 +92,31 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sys
-import threading
 import time
-from array import array
-from collections import deque
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     LayerWiseLoadCounter,
     UnifiedCacheLinker,
 )
-from sglang.srt.mem_cache.utils import get_storage_hash_str, storage_namespace_seed
 
 from agent.engines import staging
-from agent.engines.protocol import Keys, Next
+from agent.engines.protocol import Keys
 from agent.engines.service import Reply, Waiter, WorkerService, guard
-from agent.engines.sglang import ledger as ledger_mod
+from agent.engines.sglang import state
+from agent.engines.sglang.capture import STREAM_IDLE_S, Capturer
 from agent.engines.sglang.describe import describe
-from agent.engines.sglang.stream import (
-    DEFAULT_COPY_PER_STEP,
-    DEFAULT_MAX_STAGING,
-    Pending,
-    Pin,
-    Stream,
-    chunk_pages,
-)
-from agent.engines.sglang.tree import TreeIndex, Walk
+from agent.engines.sglang.state import page_keys, tail_key
+from agent.engines.sglang.stream import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, Pin, Stream
+from agent.engines.sglang.tree import TreeIndex
 from agent.fs import Trust
 
+__all__ = ["STREAM_IDLE_S", "GpuckptLinker", "page_keys", "tail_key"]
+
 log = logging.getLogger("gpuckpt.sglang")
-
-#: A stream with no word from the agent for this long is abandoned (its page files deleted).
-STREAM_IDLE_S = 300.0
-
-
-def tail_key(parent: str | None, tokens: list[int], extra_key: str | None, cache_salt: str | None) -> bytes:
-    """Content key of a partial last page: sha256 of a tag, the previous full page's storage hash
-    (hex; ``None`` for a first page, which takes the request's namespace seed instead) and the
-    tail's token ids (int64, little-endian)."""
-    h = hashlib.sha256(b"gpuckpt-sglang-tail\x00")
-    prior = parent if parent is not None else storage_namespace_seed(extra_key, cache_salt)
-    h.update((prior or "").encode() + b"\x00")
-    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
-    return h.digest()
-
-
-def page_keys(tokens: list[int], n: int, page_size: int, extra_key: str | None, cache_salt: str | None) -> list[str]:
-    """The storage hashes (hex) of the full pages of ``tokens[:n]``, as SGLang's radix cache keys them."""
-    full = min(n, len(tokens)) // page_size * page_size
-    if full <= 0:
-        return []
-    key = RadixKey(array("q", tokens[:full]), extra_key=extra_key, cache_salt=cache_salt)
-    out = get_storage_hash_str(key, None, page_size=page_size)
-    return [out] if isinstance(out, str) else list(out)
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, (set, frozenset)):
-        return sorted(v)
-    if isinstance(v, tuple):
-        return list(v)
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    return v
-
-
-def _sampling(sp: Any) -> dict[str, Any]:
-    """A request's ``SamplingParams`` as the ledger's JSON (stop strings from their normalized fields)."""
-    out: dict[str, Any] = {}
-    for name in ledger_mod.SAMPLING_FIELDS:
-        v = getattr(sp, name, None)
-        if name == "stop":
-            v = v or getattr(sp, "stop_strs", None)
-        elif name == "stop_regex":
-            v = v or getattr(sp, "stop_regex_strs", None)
-        if v is not None and v != [] and v != "":
-            out[name] = _plain(v)
-    return out
 
 
 def _find_scheduler() -> Any:
@@ -198,7 +144,7 @@ def _offered_node() -> int | None:
     return None
 
 
-class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
+class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
     """See the module docstring. Constructed by SGLang's linker factory (``backend=dynamic``)."""
 
     def __init__(
@@ -266,45 +212,6 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ engine state
 
-    def _live(self) -> list[Any]:
-        """The requests the scheduler holds now, unfinished, once each (scheduler thread)."""
-        s = self._scheduler
-        if s is None:
-            return []
-        groups: list[Any] = []
-        for name in ("running_batch", "last_batch"):
-            b = getattr(s, name, None)
-            if b is not None:
-                groups.append(getattr(b, "reqs", None) or [])
-        chunked = getattr(s, "chunked_req", None)
-        if chunked is not None:
-            groups.append([chunked])
-        groups.append(list(getattr(s, "waiting_queue", None) or []))
-        out: dict[int, Any] = {}
-        for g in groups:
-            for r in g:
-                if not r.finished() and id(r) not in out:
-                    out[id(r)] = r
-        return list(out.values())
-
-    @staticmethod
-    def _tokens(req: Any) -> list[int]:
-        return [int(t) for t in req.origin_input_ids] + [int(t) for t in req.output_ids]
-
-    def _kv_tokens(self, req: Any) -> int:
-        """Tokens of prompt + outputs whose KV the request's slots hold (the last sampled token's is
-        computed by the next step)."""
-        kv = getattr(req, "kv", None)
-        if kv is None or getattr(kv, "req_pool_idx", None) is None:
-            return 0
-        return max(0, min(int(kv.kv_committed_len), len(req.origin_input_ids) + len(req.output_ids) - 1))
-
-    def _met(self, when: dict[str, int] | None, live: list[Any]) -> bool:
-        if not when:
-            return True
-        k = when.get("min_outputs", 0)
-        return sum(1 for r in live if len(r.output_ids) >= k) >= when.get("live", 0)
-
     def _progress(self, live: list[Any]) -> dict[str, Any]:
         """A ``wait``'s answer: the step, the live requests' outputs, and the tokens of the radix tree
         that lock references hold (the live requests' and a capture's pins; read here, on the
@@ -317,16 +224,6 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
             "outputs": {r.rid: len(r.output_ids) for r in live},
             "tree_protected_tokens": protected,
         }
-
-    def _cache(self) -> Any:
-        return getattr(self._scheduler, "tree_cache", None)
-
-    def _walk(self) -> Walk:
-        """The radix tree's full pages now (none without a tree: a linker hosted on bare pools)."""
-        core = getattr(self._cache(), "tree_core", None)
-        if core is None or not hasattr(core, "walk_for_kv_canary"):
-            return Walk([], 0)
-        return self._tree.walk(core)
 
     # ------------------------------------------------------------------ the step boundary
 
@@ -344,9 +241,9 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
             self._pump(st)
         if not (self.capture_calls or self.wait_calls):  # read without the lock on every loop
             return
-        live = self._live()
+        live = state.live_requests(self._scheduler)
         with self.lock:
-            due = [w for w in self.wait_calls + self.capture_calls if self._met(w.when, live)]
+            due = [w for w in self.wait_calls + self.capture_calls if state.met(w.when, live)]
             self.wait_calls = [w for w in self.wait_calls if w not in due]
             self.capture_calls = [w for w in self.capture_calls if w not in due]
         for w in due:
@@ -368,320 +265,6 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
             pf = self._files.pop(path, None)
             if pf is not None:
                 pf.close()
-
-    def _release_pins(self) -> None:
-        """Release the tree locks of ended streams (scheduler thread: the tree is not thread-safe)."""
-        with self.lock:
-            pins, self._unpin = self._unpin, []
-        self._unlock(pins)
-
-    def _unlock(self, pins: list[Pin]) -> None:
-        cache = self._cache()
-        for pin in pins:
-            try:
-                cache.unlock(pin.lock)
-            except Exception:  # the node went with a flushed tree: nothing is held any more
-                log.warning("gpuckpt: releasing a capture's lock on the radix tree failed", exc_info=True)
-
-    def _page_shape(self) -> tuple[int, ...]:
-        k = self._k[0]
-        return (len(self._k), 2, self.page_size, int(k.shape[1]), int(k.shape[2]))
-
-    def _page_bytes(self) -> int:
-        n = 1
-        for d in self._page_shape():
-            n *= d
-        return n * self._k[0].element_size()
-
-    def _dtype(self) -> str:
-        return str(self._k[0].dtype).removeprefix("torch.")
-
-    def _live_pages(self, live: list[Any], entries: list[dict[str, Any]]) -> dict[bytes, Pending]:
-        """The ledger's entries of ``live`` (appended to ``entries``) and their pages by key."""
-        p = self.page_size
-        pages: dict[bytes, Pending] = {}
-        row = self._req_to_token.req_to_token
-        for r in live:
-            toks = self._tokens(r)
-            n = self._kv_tokens(r)
-            extra_key, salt = getattr(r, "extra_key", None), getattr(r, "cache_salt", None)
-            sampling = _sampling(r.sampling_params)
-            entries.append(
-                {
-                    "rid": str(r.rid),
-                    "prompt_token_ids": [int(t) for t in r.origin_input_ids],
-                    "output_token_ids": [int(t) for t in r.output_ids],
-                    "kv_tokens": n,
-                    "sampling": sampling,
-                    "priority": getattr(r, "priority", None),
-                    "extra_key": extra_key,
-                    "cache_salt": salt,
-                    "return_logprob": bool(getattr(r, "return_logprob", False)),
-                    "inexact_reasons": ledger_mod.inexact_reasons(
-                        sampling,
-                        outputs=len(r.output_ids),
-                        return_logprob=bool(getattr(r, "return_logprob", False)),
-                    ),
-                }
-            )
-            if n <= 0:
-                continue
-            firsts = row[r.kv.req_pool_idx, :n:p].tolist()  # each page's first slot
-            keys = page_keys(toks, n, p, extra_key, salt)
-            for kh, first in zip(keys, firsts, strict=False):
-                pages.setdefault(bytes.fromhex(kh), Pending(bytes.fromhex(kh), self._page_of(first)))
-            rest = n - len(keys) * p
-            if rest:
-                tk = tail_key(keys[-1] if keys else None, toks[len(keys) * p : n], extra_key, salt)
-                pages.setdefault(tk, Pending(tk, self._page_of(firsts[len(keys)]), valid=rest))
-        return pages
-
-    def _page_of(self, first_slot: int) -> int:
-        if first_slot % self.page_size:
-            raise ValueError(
-                f"slot {first_slot} does not start a page of {self.page_size}: a KV pool gpuckpt cannot read"
-            )
-        return int(first_slot) // self.page_size
-
-    def _capture(self, waiters: list[Waiter], live: list[Any]) -> None:
-        """The consistent point: the ledger, the pages planned, the tree's pages pinned and chunk 0
-        copied; its page file is written by a thread, whose completion answers ``waiters``."""
-        if self._disabled:
-            self.answer(waiters, {"ok": False, "error": f"gpuckpt cannot capture this server: {self._disabled}"})
-            return
-        t0 = time.monotonic()
-        prefix_only = all(w.prefix_only for w in waiters)
-        full = any(w.full for w in waiters)
-        entries: list[dict[str, Any]] = []
-        live_pages = {} if prefix_only else self._live_pages(live, entries)
-        walk = self._walk()
-        tree: dict[bytes, Any] = {}
-        for tp in walk.pages:
-            tree.setdefault(tp.key, tp)
-        # A live request's page the tree holds (its prompt, matched or inserted) is the tree's, and
-        # streams; the others (decode KV, the tail, a prompt not inserted yet) may change or be freed
-        # once the request moves on: copied at the consistent point.
-        mutable: dict[bytes, Pending] = {}
-        for key, pg in live_pages.items():
-            t = tree.get(key)
-            if t is None or t.page != pg.page or t.pin is None:
-                mutable[key] = pg
-        skip = set() if full else self.offers.durable
-        skipped = [k for k in (*mutable, *(k for k in tree if k not in mutable)) if k in skip]
-        mutable = {k: v for k, v in mutable.items() if k not in skip}
-        streamed = [Pending(t.key, t.page, t.pin) for k, t in tree.items() if k not in mutable and k not in skip]
-        cache = self._cache()
-        pins: dict[int, Pin] = {}
-        failed: set[int] = set()
-        try:
-            for node in {pg.pin for pg in streamed if pg.pin is not None}:
-                try:
-                    pins[node] = Pin(cache.lock(node))
-                except Exception:  # gone since it was offered: its pages are copied now
-                    log.debug("gpuckpt: no lock on tree node %s", node, exc_info=True)
-                    failed.add(node)
-            pending: deque[Pending] = deque()
-            for pg in streamed:
-                if pg.pin is None or pg.pin in failed:
-                    mutable[pg.key] = Pending(pg.key, pg.page)
-                else:
-                    pins[pg.pin].left += 1
-                    pending.append(pg)
-            self._open_stream(waiters, entries, walk, tree, mutable, pending, pins, skipped, t0)
-        except BaseException:
-            with self.lock:
-                owned = self._stream is not None and self._stream.pins is pins
-            if not owned:  # an open stream releases its own locks as it ends
-                self._unlock(list(pins.values()))
-            raise
-
-    def _open_stream(
-        self,
-        waiters: list[Waiter],
-        entries: list[dict[str, Any]],
-        walk: Walk,
-        tree: dict[bytes, Any],
-        mutable: dict[bytes, Pending],
-        pending: deque[Pending],
-        pins: dict[int, Pin],
-        skipped: list[bytes],
-        t0: float,
-    ) -> None:
-        """The capture's stream, with chunk 0 copied (``pins`` are the stream's once it is open)."""
-        prefix_only = all(w.prefix_only for w in waiters)
-        with self.lock:
-            if self._stream is not None:
-                self._end_stream(self._stream, "superseded by a new capture")
-            self._seq += 1
-            seq = self._seq
-        w0 = waiters[0]
-        bound = w0.max_staging or self.max_staging
-        per_chunk, ring = chunk_pages(
-            self._page_bytes(), max_staging=bound, copy_per_step=w0.copy_per_step or self.copy_per_step
-        )
-        info: dict[str, Any] = {
-            "seq": seq,
-            "step": self._step,
-            "pages": len(mutable) + len(pending),
-            "prefix_pages": len(tree),
-            "unnamed_pages": walk.unnamed,
-            "pinned_nodes": len(pins),
-            "tail_pages": sum(1 for pg in mutable.values() if pg.valid is not None),
-            "requests": len(entries),
-            "inexact_requests": sum(1 for e in entries if e["inexact_reasons"]),
-            "skipped": [k.hex() for k in skipped],
-            "prefix_only": prefix_only,
-            "plan_s": time.monotonic() - t0,
-            "wait_s": t0 - min(w.requested for w in waiters),
-        }
-        if not prefix_only:
-            info["ledger"] = ledger_mod.make_ledger(entries, page_size=self.page_size).model_dump(by_alias=True)
-        st = Stream(
-            seq=seq,
-            name=f"capture-{os.getpid()}-{seq}",
-            directory=self.staging_dir,
-            info=info,
-            pending=pending,
-            chunk_pages=per_chunk,
-            page_bytes=self._page_bytes(),
-            max_staging=bound,
-            ring=ring,
-            prefix_only=prefix_only,
-            idle_timeout=STREAM_IDLE_S,
-            waiters=list(waiters),
-            pins=pins,
-        )
-        if len(mutable) > per_chunk:
-            log.warning(
-                "gpuckpt: capture %d: %d pages may change after the consistent point and are copied at it, "
-                "more than a chunk within the staging bound of %d bytes",
-                seq,
-                len(mutable),
-                bound,
-            )
-        with self.lock:
-            self._stream = st
-            first = list(mutable.values()) + st.take(max(0, per_chunk - len(mutable)))
-        self._copy_chunk(st, first)
-
-    def _pump(self, st: Stream) -> None:
-        """A stream's share of this step: the next chunk, if the staging bound has room."""
-        with self.lock:
-            if self._stream is not st:
-                return
-            if st.idle(time.monotonic()):
-                self._end_stream(st, "no word from the agent")
-                return
-            if not st.can_issue():
-                return
-            pages = st.take()
-        self._copy_chunk(st, pages)
-
-    def _copy_chunk(self, st: Stream, pages: list[Pending]) -> None:
-        """Copy ``pages`` off the pools (the scheduler's pause), release the locks that held only
-        them, and hand the page file's writing to a thread."""
-        t0 = time.monotonic()
-        try:
-            host = self._gather(pages)
-        except BaseException as exc:
-            with self.lock:
-                self._end_stream(st, f"copying pages failed: {type(exc).__name__}: {exc}")
-            raise
-        copy_s = time.monotonic() - t0
-        with self.lock:
-            k = st.issue(len(pages), copy_s)
-            done = st.copied(pages)
-        self._unlock(done)
-        threading.Thread(
-            target=self._write_chunk,
-            args=(st, k, pages, host, copy_s),
-            name=f"gpuckpt-capture-{st.seq}.{k}",
-            daemon=True,
-        ).start()
-
-    def _gather(self, pages: list[Pending]) -> torch.Tensor:
-        """``pages`` copied off the pools into host memory: ``[n, *page shape]``, tails zeroed."""
-        shape = self._page_shape()
-        n = len(pages)
-        out = torch.empty((n, *shape), dtype=self._k[0].dtype)
-        if not n:
-            return out
-        p = self.page_size
-        device = self._k[0].device
-        first = torch.tensor([pg.page * p for pg in pages], dtype=torch.int64)
-        slots = (first[:, None] + torch.arange(p, dtype=torch.int64)).reshape(-1).to(device)
-        for layer, (k, v) in enumerate(zip(self._k, self._v, strict=True)):
-            out[:, layer, 0] = k.index_select(0, slots).reshape(n, *shape[2:]).cpu()
-            out[:, layer, 1] = v.index_select(0, slots).reshape(n, *shape[2:]).cpu()
-        for i, pg in enumerate(pages):
-            if pg.valid is not None:  # a tail: slots past it hold whatever was there before
-                out[i, :, :, pg.valid :] = 0
-        return out
-
-    def _write_chunk(self, st: Stream, k: int, pages: list[Pending], host: torch.Tensor, copy_s: float) -> None:
-        """Write chunk ``k``'s page file (a thread) and report it: chunk 0 answers the capture call."""
-        t0 = time.monotonic()
-        w = staging.PageWriter(
-            self.staging_dir,
-            f"{st.name}-c{k}",
-            dtype=self._dtype(),
-            page_shape=self._page_shape(),
-            layers=[f"layer.{i}" for i in range(len(self._k))],
-            trust=self.trust,
-        )
-        rec: dict[str, Any]
-        try:
-            if pages:
-                raw = host.view(len(pages), -1).view(torch.uint8)
-                for i, pg in enumerate(pages):
-                    w.write(pg.key, raw[i].numpy().data)
-            idx = w.commit()
-            heads = int(self._k[0].shape[1])
-            rec = {
-                "rank": 0,
-                "index": str(w.index_path),
-                "head_axis": 2,
-                "total_kv_heads": heads,
-                "kv_heads": [0, heads],
-                "device": str(self._k[0].device),
-                "pages_written": len(idx.keys),
-                "bytes": idx.page_bytes * len(idx.keys),
-                "copy_s": copy_s,
-                "write_s": time.monotonic() - t0,
-            }
-        except Exception as exc:
-            w.abort()
-            log.exception("gpuckpt: writing capture %d chunk %d failed", st.seq, k)
-            rec = {"error": f"{type(exc).__name__}: {exc}"}
-        with self.lock:
-            if self._stream is not st or st.error is not None:  # ended meanwhile: nobody reads it
-                if rec.get("index"):
-                    staging.unlink_pair(rec["index"])
-                return
-            if rec.get("error"):
-                self._end_stream(st, f"chunk {k}: {rec['error']}")
-                return
-            st.report(k, rec)
-            if k == 0:
-                self.answer(st.waiters, self._first_reply(st, rec))
-                st.waiters = []
-            self.cond.notify_all()
-
-    def _first_reply(self, st: Stream, rec: dict[str, Any]) -> dict[str, Any]:
-        """The capture call's answer: the consistent point's facts and chunk 0."""
-        return {
-            "ok": True,
-            **st.info,
-            **st.part(0),
-            "index": rec["index"],
-            "tensor_parallel_size": 1,
-            "copy_s": rec["copy_s"],
-            "write_s": rec["write_s"],
-            "bytes": rec["bytes"],
-            "pages_written": rec["pages_written"],
-            "chunk_pages": st.chunk_pages,
-            "max_staging_bytes": st.max_staging,
-        }
 
     # ------------------------------------------------------------------ UnifiedCacheLinker
 
@@ -838,79 +421,6 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
     def waiting_for(self, w: Waiter) -> str:
         return f"waiting for {w.when}" if w.when else "is the scheduler paused?"
 
-    def forget_waiter(self, w: Waiter) -> None:
-        """A capture call gave up (lock held): a stream whose chunk 0 nobody awaits any more ends."""
-        st = self._stream
-        if st is not None and w in st.waiters:
-            st.waiters.remove(w)
-            if not st.waiters:
-                self._end_stream(st, "the capture call timed out")
-
-    def end_stream_of(self, w: Waiter, seq: int, why: str) -> None:
-        self.stream_cancel(seq, why)
-
-    def stream_cancel(self, seq: int, why: str) -> bool:
-        st = self._stream
-        if st is not None and (seq < 0 or st.seq == seq):
-            self._end_stream(st, why)
-            return True
-        return False
-
-    def stream_names(self) -> set[str]:
-        return {self._stream.name} if self._stream is not None else set()
-
-    def _end_stream(self, st: Stream, error: str | None) -> None:
-        """Close a capture stream (lock held): its locks go to the next boundary's release; with
-        ``error``, delete what it staged and tell whoever waits for it."""
-        if error is not None:
-            st.error = st.error or error
-            for path in st.files():
-                staging.unlink_pair(path)
-            self.answer(st.waiters, {"ok": False, "error": f"capture {st.seq} failed: {st.error}"})
-            log.warning("gpuckpt: capture %d ended: %s", st.seq, st.error)
-        st.waiters = []
-        self._unpin.extend(st.take_pins())
-        self.last_stream = {"seq": st.seq, "error": st.error, **st.summary()}
-        if self._stream is st:
-            self._stream = None
-        self.cond.notify_all()
-
-    def on_next(self, msg: Next) -> Reply:
-        """The agent consumed the chunks ``ack`` names (their files are gone): answer with every
-        chunk written by then (``parts``, at least one), or ``done`` after the last one."""
-        seq = msg.seq
-        deadline = time.monotonic() + msg.timeout
-        with self.lock:
-            st = self._stream
-            if st is None or st.seq != seq:
-                last = self.last_stream
-                if last.get("seq") == seq and last.get("error") is None:
-                    return {"ok": True, "done": True, **last}
-                why = last.get("error") if last.get("seq") == seq else "no such capture in flight"
-                return {"ok": False, "error": f"capture {seq}: {why}"}
-            for k in msg.ack:
-                st.ack(k)
-            if st.done:
-                self._end_stream(st, None)
-                return {"ok": True, "done": True, **self.last_stream}
-            st.touched = time.monotonic()
-        with self.cond:
-            while True:
-                if self._stream is not st or st.error is not None:
-                    return {"ok": False, "error": f"capture {seq} failed: {st.error}"}
-                parts = []
-                while (part := st.hand_out()) is not None:
-                    parts.append(part)
-                if parts:
-                    return {"ok": True, "seq": seq, "done": False, "parts": parts}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return {
-                        "ok": False,
-                        "error": f"capture {seq}: no chunk within the timeout (is the scheduler paused?)",
-                    }
-                self.cond.wait(min(left, 1.0))
-
     def check_page_file(self, pf: staging.PageFile) -> None:
         want = (self._dtype(), self._page_shape()) if self._k else None
         got = (pf.index.dtype, tuple(pf.index.page_shape))
@@ -932,10 +442,10 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
         for r in msg.requests:
             ids = list(r.token_ids)
             n = r.kv_tokens
-            keys = page_keys(ids, n, p, r.extra_key, r.cache_salt)
+            keys = state.page_keys(ids, n, p, r.extra_key, r.cache_salt)
             if n > len(keys) * p:
                 keys.append(
-                    tail_key(keys[-1] if keys else None, ids[len(keys) * p : n], r.extra_key, r.cache_salt).hex()
+                    state.tail_key(keys[-1] if keys else None, ids[len(keys) * p : n], r.extra_key, r.cache_salt).hex()
                 )
             out.append(keys)
         return {"ok": True, "keys": out}
@@ -946,7 +456,7 @@ class GpuckptLinker(UnifiedCacheLinker, WorkerService):  # type: ignore[misc]
             "restored_tokens": dict(self._restored),
             "step": self._step,
             "lookups": self._lookups,
-            "tree_pages_named": len(self._tree.pages),
+            "tree_pages_named": len(self._tree),
             "hook_s": self._hook_s,
             "offers": self._offers,
             "stream": None if st is None else {"seq": st.seq, "pins": len(st.pins), **st.summary()},

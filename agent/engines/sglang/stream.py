@@ -17,6 +17,12 @@ steps:
   live requests' pages outside the tree (decode KV, their partial tails) and
   tree pages no lock could hold.
 
+The pinned pages are planned as page numbers and their pinning nodes only
+(:class:`Planned`, tensors from the tree walk): each page's key is looked up
+as its chunk is taken, so the consistent point costs per node, not per page.
+A key met twice (a tree page a live request's chunk-0 page already carries)
+is copied once; the page left out still counts off its pin.
+
 The pinned pages follow ``chunk_pages`` at a time, at most ``ring`` chunks
 staged at once (written, being written or not yet acknowledged by the
 agent): that is the backpressure. Chunk files are written off the scheduler
@@ -30,10 +36,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["DEFAULT_COPY_PER_STEP", "DEFAULT_MAX_STAGING", "Pending", "Pin", "Stream", "chunk_pages"]
+__all__ = ["DEFAULT_COPY_PER_STEP", "DEFAULT_MAX_STAGING", "Pending", "Pin", "Planned", "Stream", "chunk_pages"]
 
 #: default bound on the host memory a capture stages (page files not yet consumed by the agent)
 DEFAULT_MAX_STAGING = 256 << 20
@@ -43,8 +50,7 @@ DEFAULT_COPY_PER_STEP = 16 << 20
 RING = 2
 
 
-@dataclass(frozen=True)
-class Pending:
+class Pending(NamedTuple):
     """A page to copy: its key, its page number in the KV pools (slots ``page·p … page·p + p - 1``),
     the tree node whose lock holds it (None: copied at the consistent point) and, for a partial
     tail, how many of its slots are valid (the rest are zeroed)."""
@@ -53,6 +59,33 @@ class Pending:
     page: int
     pin: int | None = None
     valid: int | None = None
+
+
+def _ints(x: Any) -> list[int]:
+    return list(x.tolist() if hasattr(x, "tolist") else x)
+
+
+class Planned:
+    """The pinned pages still to copy, in order: pool page numbers and their pinning nodes (any
+    sliceable int sequences, tensors included), named as they are taken by ``name(pages)`` (a
+    page's key; raises :class:`LookupError` when one can no longer be named)."""
+
+    def __init__(self, pages: Any, pins: Any, name: Callable[[list[int]], list[bytes]]) -> None:
+        self.pages = pages
+        self.pins = pins
+        self.name = name
+        self.at = 0
+
+    def __len__(self) -> int:
+        return len(self.pages) - self.at
+
+    def take(self, n: int) -> list[Pending]:
+        """The next ``n`` pages at most, named."""
+        lo, hi = self.at, min(len(self.pages), self.at + max(0, n))
+        pages, pins = _ints(self.pages[lo:hi]), _ints(self.pins[lo:hi])
+        keys = self.name(pages)
+        self.at = hi
+        return [Pending(k, pg, pin) for k, pg, pin in zip(keys, pages, pins, strict=True)]
 
 
 @dataclass
@@ -84,7 +117,7 @@ class Stream:
     name: str
     directory: str
     info: dict[str, Any]  # the consistent point's facts: ledger, counts, timings
-    pending: deque[Pending]
+    pending: Planned
     chunk_pages: int
     page_bytes: int
     max_staging: int
@@ -93,6 +126,8 @@ class Stream:
     idle_timeout: float = 300.0
     waiters: list[Any] = field(default_factory=list)  # capture calls answered with chunk 0
     pins: dict[int, Pin] = field(default_factory=dict)  # node → its lock, pages it still holds
+    seen: set[bytes] = field(default_factory=set)  # keys taken (chunk 0's included): copied once
+    dropped: list[Pending] = field(default_factory=list)  # taken pages whose key was taken before
     issued: int = 0
     acked: set[int] = field(default_factory=set)
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # chunk → its page file's report
@@ -115,11 +150,18 @@ class Stream:
         return self.error is None and self.last_chunk is None and unacked < self.ring
 
     def take(self, n: int | None = None) -> list[Pending]:
-        """The next chunk's pages (``n``, else ``chunk_pages``, at most)."""
+        """The next chunk's pages (``n``, else ``chunk_pages``, at most), named; a key taken before
+        is left out (its pin is counted off by :meth:`copied`). Raises :class:`LookupError` (from
+        the naming) when a page can no longer be named: the stream cannot go on."""
         n = self.chunk_pages if n is None else n
         out: list[Pending] = []
         while self.pending and len(out) < n:
-            out.append(self.pending.popleft())
+            for pg in self.pending.take(n - len(out)):
+                if pg.key in self.seen:
+                    self.dropped.append(pg)
+                else:
+                    self.seen.add(pg.key)
+                    out.append(pg)
         return out
 
     def issue(self, pages: int, copy_s: float) -> int:
@@ -136,9 +178,11 @@ class Stream:
         return k
 
     def copied(self, pages: list[Pending]) -> list[Pin]:
-        """``pages`` are off the pools: the pins that hold nothing more, taken out (to release)."""
+        """``pages`` are off the pools (and the pages left out as taken before are done with): the
+        pins that hold nothing more, taken out (to release)."""
         done = []
-        for p in pages:
+        dropped, self.dropped = self.dropped, []
+        for p in (*pages, *dropped):
             pin = self.pins.get(p.pin) if p.pin is not None else None
             if pin is None:
                 continue

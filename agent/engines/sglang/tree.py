@@ -13,15 +13,23 @@ slots), and the linker never accepts, so every later insert beneath a node
 offers it again. :class:`TreeIndex` keeps what those offers said, per pool
 page: its key and the node that held it (a page's slots can belong to a new
 node only through a new insert, which is offered again, so the walk never
-meets a page whose entry is stale). A capture walks the tree and names each
-page from the index; a page no offer named (none is expected) is counted,
-never guessed.
+meets a page whose entry is stale). A capture walks the tree; a page no
+offer named (none is expected) is counted, never guessed.
 
 Pins: a lock reference on a node holds its whole root path, so a page is
 held by the lock of the node it was offered under, or of any node below it
 (a node split since keeps its pages on that node's path). :meth:`walk`
 gives each page such a node; a page with none is copied at the consistent
-point. The index is bounded by the pool (one entry per page).
+point.
+
+Cost: the walk is tensor work (the core's walk, the index's node per page,
+the pins of pages with no node of their own found by a range minimum over
+the walk's depths); no Python runs per page. A page's key is looked up when
+its page is taken for a chunk (:meth:`keys`): the key a pinned page was
+offered under cannot change while the lock holds it — its slots are not
+freed, so no insert or load names them anew — and a flush (:meth:`clear`,
+after the linker has ended every stream) is seen by its generation. The
+index is bounded by the pool (one entry per page).
 
 No SGLang import (the walk's input is the core's own result, duck-typed):
 tested on its own.
@@ -34,24 +42,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["TreeIndex", "TreePage", "Walk"]
+__all__ = ["NO_NODE", "UNNAMED", "TreeIndex", "Walk"]
 
-
-@dataclass(frozen=True)
-class TreePage:
-    """A full page of the tree: its key, its pool page number, the node whose lock holds it."""
-
-    key: bytes
-    page: int
-    pin: int | None
+#: a page's node in :attr:`TreeIndex.nodes`: named by a load, not by a node's offer
+NO_NODE = -1
+#: a page's node in :attr:`TreeIndex.nodes`: no offer or load named it
+UNNAMED = -2
 
 
 @dataclass(frozen=True)
 class Walk:
-    """The tree's pages at one step boundary, and how many of them no offer named."""
+    """The tree's named full pages at one step boundary, in the walk's (depth-first) order: their
+    pool page numbers and the node whose lock holds each (:data:`NO_NODE`: none; copied at the
+    consistent point), and how many pages no offer named."""
 
-    pages: list[TreePage]
+    pages: torch.Tensor  # int64
+    pins: torch.Tensor  # int64
     unnamed: int
+    generation: int = 0
 
 
 class TreeIndex:
@@ -59,7 +67,18 @@ class TreeIndex:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.pages: dict[int, tuple[bytes, int | None]] = {}
+        self.key_of: dict[int, bytes] = {}  # pool page → key
+        self.nodes = torch.full((0,), UNNAMED, dtype=torch.int64)  # pool page → node
+        self.generation = 0  # bumped by clear(): names looked up later belong to a new tree
+
+    def __len__(self) -> int:
+        return len(self.key_of)
+
+    def _room(self, pages: int) -> None:
+        if pages > self.nodes.numel():
+            grown = torch.full((max(pages, 2 * self.nodes.numel()),), UNNAMED, dtype=torch.int64)
+            grown[: self.nodes.numel()] = self.nodes
+            self.nodes = grown
 
     def learn(self, keys: list[str], slots: torch.Tensor, node: int | None) -> None:
         """A node's pages, as an offer or a load names them: ``keys[i]`` is held by slots
@@ -68,40 +87,80 @@ class TreeIndex:
         n = min(len(keys), int(slots.numel()) // p)
         if n <= 0:
             return
-        firsts = slots[: n * p : p].tolist()
-        for k, first in zip(keys[:n], firsts, strict=True):
-            self.pages[int(first) // p] = (bytes.fromhex(k), node)
+        firsts = (slots[: n * p : p].to(device="cpu", dtype=torch.int64) // p).tolist()
+        self._room(max(firsts) + 1)
+        self.nodes[torch.tensor(firsts, dtype=torch.int64)] = NO_NODE if node is None else int(node)
+        for k, page in zip(keys[:n], firsts, strict=True):
+            self.key_of[page] = bytes.fromhex(k)
 
     def clear(self) -> None:
-        self.pages.clear()
+        self.key_of.clear()
+        self.nodes.fill_(UNNAMED)
+        self.generation += 1
+
+    def keys(self, pages: list[int], generation: int) -> list[bytes]:
+        """The keys of ``pages`` (pool page numbers of one walk of ``generation``)."""
+        if generation != self.generation:
+            raise LookupError("the radix tree was flushed since its pages were walked")
+        try:
+            return [self.key_of[pg] for pg in pages]
+        except KeyError as exc:
+            raise LookupError(f"pool page {exc.args[0]} lost its name since the walk") from None
 
     def walk(self, core: Any) -> Walk:
-        """Every full device page of ``core``'s tree (a tree core's ``walk_for_kv_canary``), each
-        with the node whose lock holds it: its own, else one below it."""
+        """Every named full device page of ``core``'s tree (a tree core's ``walk_for_kv_canary``),
+        each with the node whose lock holds it: its own, else one below it."""
         p = self.page_size
         w = core.walk_for_kv_canary(False, False)
         pos = w.positions
+        empty = torch.empty(0, dtype=torch.int64)
         if pos.numel() == 0:
-            return Walk([], 0)
+            return Walk(empty, empty, 0, self.generation)
         first = pos % p == 0  # a page starts here (tree values are page-aligned)
-        starts = w.slot_indices[first]
-        prev = w.prev_slot_indices[first]
-        pages = (starts // p).tolist()
-        parents = torch.where(prev >= 0, prev // p, torch.full_like(prev, -1)).tolist()
-        own = [self.pages.get(pg) for pg in pages]
-        # depth-first order: a node's pages come before its children's, so backwards every page
-        # is seen after everything below it, and hands its pinning node up to its parent page
-        below: dict[int, int] = {}
-        out: list[TreePage] = []
-        unnamed = 0
-        for i in range(len(pages) - 1, -1, -1):
-            rec = own[i]
-            pin = rec[1] if rec is not None and rec[1] is not None else below.get(pages[i])
-            if pin is not None and parents[i] >= 0:
-                below.setdefault(parents[i], pin)
-            if rec is None:
-                unnamed += 1
-            else:
-                out.append(TreePage(rec[0], pages[i], pin))
-        out.reverse()
-        return Walk(out, unnamed)
+        pages = (w.slot_indices[first] // p).to(dtype=torch.int64, device="cpu")
+        depth = pos[first].to(dtype=torch.int64, device="cpu")
+        self._room(int(pages.max()) + 1)
+        own = self.nodes[pages]
+        pins = own.clone()
+        orphans = (own == NO_NODE).nonzero().flatten()  # named, no node of its own: one below
+        if orphans.numel():
+            pins[orphans] = _pin_below(own, depth, orphans)
+        named = own != UNNAMED
+        return Walk(pages[named], pins[named], int((~named).sum()), self.generation)
+
+
+def _pin_below(own: torch.Tensor, depth: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """For the pages ``at`` of a depth-first walk: the node of a page below each (:data:`NO_NODE`
+    if none). A page's subtree is the run of pages after it that are deeper than it; the first page
+    with a node of its own after ``i`` is below ``i`` iff every page up to it is deeper than ``i``."""
+    n = own.numel()
+    idx = torch.arange(n, dtype=torch.int64)
+    has = own >= 0
+    nxt = torch.where(has, idx, torch.full_like(idx, n)).flip(0).cummin(0).values.flip(0)
+    after = torch.clamp(at + 1, max=n - 1)
+    j = nxt[after]
+    ok = (at + 1 < n) & (j < n)
+    lo, hi = at[ok] + 1, j[ok]
+    below = torch.full_like(at, NO_NODE)
+    if lo.numel():
+        deeper = _range_min(depth, lo, hi) > depth[at[ok]]
+        below[ok.nonzero().flatten()[deeper]] = own[hi[deeper]]
+    return below
+
+
+def _range_min(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``min(x[lo[q] : hi[q] + 1])`` for each query (``lo <= hi``), by a sparse table."""
+    n = x.numel()
+    big = torch.iinfo(torch.int64).max
+    table = [x]
+    while (1 << len(table)) <= n:
+        half = 1 << (len(table) - 1)
+        prev = table[-1]
+        shifted = torch.cat([prev[half:], torch.full((half,), big, dtype=prev.dtype)])
+        table.append(torch.minimum(prev, shifted))
+    span = hi - lo + 1
+    level = torch.zeros_like(span)
+    while bool(((2 << level) <= span).any()):
+        level += ((2 << level) <= span).to(torch.int64)
+    levels = torch.stack(table)
+    return torch.minimum(levels[level, lo], levels[level, hi - (1 << level) + 1])
