@@ -12,6 +12,7 @@ spec classes and a real ``VllmConfig`` (no GPU needed; the facts: docs/design/vl
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -257,3 +258,36 @@ def test_the_layers_own_kv_dtype_names_the_page_where_cache_config_does_not(mode
     d = describe(vllm_config(model, "fp8"), one_group(mla("fp8_ds_mla")), [])
     assert d["facts"]["kv_dtype"] == "fp8_ds_mla"
     assert describe(vllm_config(model), one_group(mla()), [])["facts"]["kv_dtype"] == "bfloat16"
+
+
+def test_a_worker_with_no_layer_it_can_page_starts_and_its_captures_carry_the_ledger_only(
+    model: Path, tmp_path: Path
+) -> None:
+    """The worker half of a V3.2 worker (every layer in the one uniform-type group) registers
+    without disabling itself — a disabled rank fails every capture, ledger included — and a
+    capture's file of that rank holds no page."""
+    from agent.engines.vllm.capture import CopyJob
+    from agent.engines.vllm.meta import GpuckptMeta
+    from agent.engines.vllm.worker import PAGELESS, WorkerHalf
+
+    specs = {f"model.layers.{i}.self_attn.attn": mla() for i in range(2)}
+    specs |= {f"model.layers.{i}.self_attn.indexer.k_cache": indexer() for i in range(2)}
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(specs), uniform)])
+    half = WorkerHalf(vllm_config(model), kv, {"staging_dir": str(tmp_path / "stage")})
+    half.register_kv_caches({name: torch.zeros(8, 1, 64, 576) for name in specs})
+    assert half.disabled is None
+    assert [n for n, _ in half.kv] == [PAGELESS]
+    assert half.report is not None
+    job = CopyJob(seq=1, chunk=0, directory=str(tmp_path / "stage"), name="capture-1", pages=[], tails=[])
+    half.wait_for_save(GpuckptMeta(capture=job))
+    wm = None
+    for _ in range(500):  # the page file is written by a thread of its own
+        wm = half.build_connector_worker_meta()
+        if wm is not None and wm.done:
+            break
+        threading.Event().wait(0.01)
+    assert wm is not None
+    (rec,) = wm.done[job.job].values()
+    assert "error" not in rec, rec
+    assert rec["pages_written"] == 0

@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpuckpt.vllm")
 
 
+#: the one layer name of a worker with no KV layer this connector pages (see register_kv_caches)
+PAGELESS = "gpuckpt:no-pageable-layer"
+
+
 class WorkerHalf:
     """See the module docstring. Hooks run on the worker's thread; a capture's page file is
     written by a thread of its own, whose result is kept under ``_done_lock``."""
@@ -129,13 +133,20 @@ class WorkerHalf:
                     f"expected the block id ({num_blocks} blocks) first, or K/V first and then the block id"
                 )
         self.head_axis = 1 if kv_first else 0
-        self.copier = PageCopier([t for _, t in self.kv])
         try:
             self.rank = int(get_tensor_model_parallel_rank())
         except Exception:  # no distributed state: a single in-process worker
             self.rank = 0
         mc = self.vllm_config.model_config
         total = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+        if not self.kv:
+            # No group this connector pages (DeepSeek V3.2's latent + indexer in one group of two
+            # page sizes, an SSM-only model): the scheduler half plans no page (see .groups), and
+            # a capture carries the ledger alone (a cold replay). One empty placeholder slot keeps
+            # the page file format — a capture's file of this rank then holds no page.
+            log.warning("gpuckpt: no KV layer this connector can page; checkpoints carry the ledger only")
+            self.kv = [(PAGELESS, torch.zeros((1, max(1, total // self.tp), 1, 1), dtype=torch.uint8))]
+        self.copier = PageCopier([t for _, t in self.kv])
         self.heads = local_heads(self.rank, self.tp, total, int(self.kv[0][1].shape[1 + self.head_axis]))
         # The model runner (for seeded requests' generators and the sampler's
         # view of outputs) called us from initialize_kv_cache.
