@@ -21,6 +21,7 @@ import torch
 
 from agent.engines import staging
 from tests.harness.paths import short_dir
+from tests.harness.waiting import wait_for
 
 pytest.importorskip("vllm")
 
@@ -56,7 +57,8 @@ def test_the_ranks_report_through_the_step_metadata_not_a_file(halves: VllmHalve
     assert [r["rank"] for r in layout["ranks"]] == [0]
     assert layout["ranks"][0]["page_shape"] == list(halves.worker.page_shape())
     assert not list(Path(halves.half.staging_dir).glob("worker-r*")), "no side channel"
-    assert halves.worker.report is None, "once the scheduler half has it, the rank stops sending it"
+    # the rank learns it from the next step's metadata (ranks_known): wait for that step, not race it
+    wait_for(lambda: halves.worker.report is None, 30, "the rank to stop sending its report once the scheduler has it")
 
 
 def test_a_capture_copies_a_live_requests_own_blocks_and_names_it_in_the_ledger(halves: VllmHalves) -> None:
