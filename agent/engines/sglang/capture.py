@@ -160,10 +160,11 @@ class Capturer(WorkerService):
         pages, pins = walk.pages, walk.pins
         skipped = dict.fromkeys(k for k in mutable if k in skip)
         if skip and pages.numel():  # an incremental capture: the durable tree pages are named now
-            durable = [k in skip for k in name(pages.tolist())]
+            keys = name(pages.tolist())
+            durable = [k in skip for k in keys]
             if any(durable):
+                skipped.update(dict.fromkeys(k for k, d in zip(keys, durable, strict=True) if d and k not in mutable))
                 gone = torch.tensor(durable, dtype=torch.bool)
-                skipped.update(dict.fromkeys(k for k in name(pages[gone].tolist()) if k not in mutable))
                 pages, pins = pages[~gone], pins[~gone]
         mutable = {k: v for k, v in mutable.items() if k not in skip}
 
@@ -262,13 +263,13 @@ class Capturer(WorkerService):
                 len(mutable),
                 bound,
             )
+        t1 = time.monotonic()
         with self.lock:
             self._stream = st
-            first = self._take(st, max(0, per_chunk - len(mutable)))
-            if first is None:
+            taken = self._take(st, max(0, per_chunk - len(mutable)))
+            if taken is None:
                 return
-            first = list(mutable.values()) + first
-        self._copy_chunk(st, first)
+        self._copy_chunk(st, list(mutable.values()) + taken, t1)
 
     # ------------------------------------------------------------------ the later steps
 
@@ -305,15 +306,16 @@ class Capturer(WorkerService):
                 return
             if not st.can_issue():
                 return
+            t0 = time.monotonic()
             pages = self._take(st)
             if pages is None:
                 return
-        self._copy_chunk(st, pages)
+        self._copy_chunk(st, pages, t0)
 
-    def _copy_chunk(self, st: Stream, pages: list[Pending]) -> None:
+    def _copy_chunk(self, st: Stream, pages: list[Pending], t0: float) -> None:
         """Copy ``pages`` off the pools (the scheduler's pause), release the locks that held only
-        them, and hand the page file's writing to a thread."""
-        t0 = time.monotonic()
+        them, and hand the page file's writing to a thread. The chunk's ``copy_s`` runs from ``t0``:
+        its pages' naming (when they were taken) and their copy."""
         try:
             host = self._gather(pages)
         except BaseException as exc:
