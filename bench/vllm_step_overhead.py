@@ -7,7 +7,8 @@ under vLLM's hybrid KV cache manager) — serving 16 greedy requests × 256 toke
 after a warm-up batch; the figures are generated tokens per second over the timed batch, the
 extra time per engine step (batch wall time ÷ steps, with − without) and the KV blocks vLLM
 allocated. Rounds alternate the two configurations so drift in the machine's load falls on both;
-the summary is the median ratio over the rounds.
+the summary is the median ratio over the rounds, of wall-clock throughput and of tokens per CPU
+second of the engine's processes (the steadier figure on a shared host).
 
 ``python bench/vllm_step_overhead.py [--rounds 3] [--requests 16] [--tokens 256] [--models dense,sliding]``
 (``make bench-overhead``). Prints one line per run and the ratios (targets: throughput ≥ 0.98,
@@ -17,13 +18,16 @@ capacity 1.00); exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -33,11 +37,68 @@ sys.path.insert(0, str(HERE.parent))
 from vllm_common import WORKER_ENV, make_model, make_sliding_model  # noqa: E402
 
 
-def run_one(model: str, connector: bool, requests: int, tokens: int, sock: str) -> dict[str, float]:
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its engine processes: less sensitive than
+    wall time to what else the machine runs (a shared 2-core host)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+HOOKS = (
+    "build_connector_meta",
+    "update_connector_output",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "on_new_request",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+)
+
+
+def time_hooks() -> dict[str, float]:
+    """Wrap every hook of gpuckpt's connector with a timer (the engine must run in this process:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); returns the running totals in seconds, by hook."""
+    from agent.engines.vllm import connector
+
+    spent: dict[str, float] = {}
+    for name in HOOKS:
+        fn = getattr(connector.GpuckptConnector, name)
+
+        def timed(*args: object, _fn: Callable[..., object] = fn, _name: str = name, **kwargs: object) -> object:
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+
+        setattr(connector.GpuckptConnector, name, timed)
+    return spent
+
+
+def run_one(
+    model: str, connector: bool, requests: int, tokens: int, sock: str, hooks: bool = False
+) -> dict[str, float]:
     """One engine, one timed batch (in this process)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    spent = time_hooks() if hooks else None
     kw: dict[str, object] = {}
     if connector:
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -61,20 +122,44 @@ def run_one(model: str, connector: bool, requests: int, tokens: int, sock: str) 
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i, 17, 23 + i, 42] * 8} for i in range(requests)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    t0 = time.perf_counter()
+    if spent is not None:
+        spent.clear()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     # every request decodes in lockstep: one prefill step, then one step per further token
     steps = tokens
     cfg = llm.llm_engine.vllm_config
     return {
+        **({"hooks_us_per_step": sum(spent.values()) * 1e6 / steps} if spent is not None else {}),
         "tokens_per_s": generated / dt,
+        "tokens_per_cpu_s": generated / cpu,
         "ms_per_step": dt * 1000 / steps,
         "wall_s": dt,
         "num_gpu_blocks": float(cfg.cache_config.num_gpu_blocks or 0),
         "hybrid_manager_off": float(bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)),
     }
+
+
+def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, str]:
+    """Run one measured engine in a process group of its own; read its output until the result
+    line (vLLM's engine processes keep the pipes open after the client exits), then kill the group."""
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        lines = []
+        try:
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.append(line)
+                if line.startswith("RESULT "):
+                    break
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        err.seek(0)
+        return "".join(lines), err.read()
 
 
 def main() -> None:
@@ -83,14 +168,16 @@ def main() -> None:
     ap.add_argument("--models", default="dense,sliding", help="comma-separated: dense, sliding")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--child", choices=["with", "without"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["with", "without", "hooks"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         with tempfile.TemporaryDirectory(prefix="gpo-", dir="/tmp") as d:
-            r = run_one(a.model, a.child == "with", a.requests, a.tokens, os.path.join(d, "c.sock"))
+            r = run_one(
+                a.model, a.child != "without", a.requests, a.tokens, os.path.join(d, "c.sock"), a.child == "hooks"
+            )
         print("RESULT " + json.dumps(r), flush=True)
-        return
+        os._exit(0)  # vLLM's engine process can hold a clean exit up (multiprocessing's join at exit)
     root = Path(os.environ.get("GPUCKPT_BENCH_MODELS", Path(tempfile.gettempdir()) / "gpuckpt-bench-models"))
     models = {
         "dense": lambda: make_model(root, layers=2, hidden=256, heads=4, kv_heads=2, vocab=512, dtype="float32"),
@@ -106,26 +193,42 @@ def main() -> None:
             for cfg in order:
                 cmd = [sys.executable, __file__, "--child", cfg, "--model", str(model)]
                 cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
-                line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+                stdout, stderr = run_child(cmd, env)
+                line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
-                    sys.exit(f"the {name} {cfg} run failed:\n{out.stderr[-3000:]}")
+                    sys.exit(f"the {name} {cfg} run failed:\n{stderr[-3000:]}")
                 r = json.loads(line.removeprefix("RESULT "))
                 results[cfg].append(r)
                 print(
                     f"{name} round {rnd + 1} {cfg:>7} gpuckpt: {r['tokens_per_s']:8.1f} tok/s  "
-                    f"{r['ms_per_step']:6.2f} ms/step  {r['num_gpu_blocks']:.0f} KV blocks"
+                    f"{r['ms_per_step']:6.2f} ms/step  {r['tokens_per_cpu_s']:8.1f} tok/CPU-s  "
+                    f"{r['num_gpu_blocks']:.0f} KV blocks"
                     + ("  (hybrid KV cache manager OFF)" if r["hybrid_manager_off"] else ""),
                     flush=True,
                 )
         pairs = list(zip(results["with"], results["without"], strict=True))
         ratios = [w["tokens_per_s"] / wo["tokens_per_s"] for w, wo in pairs]
+        cpu_ratios = [w["tokens_per_cpu_s"] / wo["tokens_per_cpu_s"] for w, wo in pairs]
         extra = [w["ms_per_step"] - wo["ms_per_step"] for w, wo in pairs]
         cap = results["with"][0]["num_gpu_blocks"] / results["without"][0]["num_gpu_blocks"]
+        # the connector's own time, every hook timed, the engine in one process (the steadiest figure)
+        cmd = [sys.executable, __file__, "--child", "hooks", "--model", str(model)]
+        cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
+        stdout, stderr = run_child(cmd, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"the {name} hooks run failed:\n{stderr[-3000:]}")
+        h = json.loads(line.removeprefix("RESULT "))
+        own = (
+            f"gpuckpt's own hooks {h['hooks_us_per_step']:.1f} µs a step "
+            f"({h['hooks_us_per_step'] / 10 / h['ms_per_step']:.2f} % of a {h['ms_per_step']:.2f} ms step)"
+        )
         summary.append(
             f"{name}: decode throughput with ÷ without = {statistics.median(ratios):.3f} (rounds: "
             + ", ".join(f"{x:.3f}" for x in ratios)
-            + f"); {statistics.median(extra):+.2f} ms per engine step; KV capacity with ÷ without = {cap:.2f}"
+            + f"); tokens per CPU second with ÷ without = {statistics.median(cpu_ratios):.3f} (rounds: "
+            + ", ".join(f"{x:.3f}" for x in cpu_ratios)
+            + f"); {statistics.median(extra):+.2f} ms per engine step; {own}; KV capacity with ÷ without = {cap:.2f}"
         )
     print()
     for line in summary:

@@ -91,6 +91,7 @@ class SchedulerHalf(VllmService):
         self.tails_inflight: set[str] = set()
         self.gen_loads: list[tuple[str, str]] = []
         self.prior_loads: list[tuple[str, list[int]]] = []
+        self.idle_meta = GpuckptMeta(ranks_known=True)  # what an idle step sends (see build_connector_meta)
 
     # ------------------------------------------------------------------ binding
 
@@ -359,6 +360,10 @@ class SchedulerHalf(VllmService):
             time.sleep(self.step_delay)
         with self.lock:
             self.step += 1
+            if self.idle_now():
+                # nothing planned, nothing waiting: the same empty metadata every step (the worker
+                # only reads it), no per-step allocation or scan — the idle worker's whole cost
+                return self.idle_meta
             meta = GpuckptMeta(
                 loads=self.loads,
                 tails=self.tail_copies,
@@ -411,6 +416,24 @@ class SchedulerHalf(VllmService):
             # the restore's fetch needs
             self.offered_event.wait(0.005)
         return meta
+
+    def idle_now(self) -> bool:
+        """Whether this step has nothing of gpuckpt's to do (lock held): no load, tail copy, request
+        state, file to retire, waiter, capture, stream, awaited page or missing rank report."""
+        return not (
+            self.loads
+            or self.tail_copies
+            or self.gen_loads
+            or self.prior_loads
+            or self.fail_loads
+            or self.retired
+            or self.wait_calls
+            or self.capture_calls
+            or self.stream is not None
+            or self.offers.awaiting
+            or self.offers.wanted
+            or len(self.reports) < self.tp
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         sent = connector_output.finished_sending
