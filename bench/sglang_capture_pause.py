@@ -133,12 +133,15 @@ def capture_pause(s: SglangProcess, rng: random.Random, *, one_chunk: bool) -> d
         t1 = time.monotonic()
         dec.wait_tokens(len(dec.times) + 2)  # the token after the last chunk
         st = cap.stats
+        plan = session.stats(s.control_socket).get("last_plan") or {}
         return {
             "pages": pages,
             "chunks": st.get("chunks"),
             "longest_gap_ms": 1e3 * dec.longest_gap(t0, t1),
             "baseline_gap_ms": 1e3 * base,
             "plan_ms": 1e3 * float(st.get("plan_s", 0.0)),
+            # the planning's phases (the live requests, the tree walk, the locks: one per node)
+            "plan_parts_ms": {k: 1e3 * float(v) for k, v in plan.items() if k.endswith("_s") and k != "plan_s"},
             "chunk0_copy_ms": 1e3 * float(st.get("copy_s", 0.0)),
             "max_chunk_copy_ms": 1e3 * float(st.get("max_chunk_copy_s", 0.0)),
             "capture_s": t1 - t0,

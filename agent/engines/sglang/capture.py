@@ -64,6 +64,7 @@ class Capturer(WorkerService):
     _seq: int
     _stream: Stream | None
     _unpin: list[Pin]
+    _last_plan: dict[str, Any]  # the last consistent point's planning, by phase (engine_stats)
 
     # ------------------------------------------------------------------ engine state
 
@@ -153,7 +154,9 @@ class Capturer(WorkerService):
         full = any(w.full for w in waiters)
         entries: list[dict[str, Any]] = []
         live_pages = {} if prefix_only else self._live_pages(live, entries)
+        t_walk = time.monotonic()
         walk = self._walk()
+        parts = {"live_s": t_walk - t0, "walk_s": time.monotonic() - t_walk}
         name = partial(self._tree.keys, generation=walk.generation)
         mutable = self._mutable(live_pages, walk)
         skip = set() if full else self.offers.durable
@@ -178,6 +181,7 @@ class Capturer(WorkerService):
         nodes, counts = torch.unique(pins, return_counts=True)
         cache = self._cache()
         locks: dict[int, Pin] = {}
+        t_lock = time.monotonic()
         try:
             failed = []
             for node, count in zip(nodes.tolist(), counts.tolist(), strict=True):
@@ -190,8 +194,9 @@ class Capturer(WorkerService):
                 gone = torch.isin(pins, torch.tensor(failed, dtype=torch.int64))
                 now(pages[gone])
                 pages, pins = pages[~gone], pins[~gone]
+            parts["lock_s"] = time.monotonic() - t_lock
             pending = Planned(pages, pins, name)
-            self._open_stream(waiters, entries, walk, mutable, pending, locks, list(skipped), t0)
+            self._open_stream(waiters, entries, walk, mutable, pending, locks, list(skipped), t0, parts)
         except BaseException:
             with self.lock:
                 owned = self._stream is not None and self._stream.pins is locks
@@ -209,8 +214,10 @@ class Capturer(WorkerService):
         pins: dict[int, Pin],
         skipped: list[bytes],
         t0: float,
+        parts: dict[str, float],
     ) -> None:
-        """The capture's stream, with chunk 0 copied (``pins`` are the stream's once it is open)."""
+        """The capture's stream, with chunk 0 copied (``pins`` are the stream's once it is open);
+        ``parts``: the planning's phases (seconds: the live requests, the tree walk, the locks)."""
         prefix_only = all(w.prefix_only for w in waiters)
         with self.lock:
             if self._stream is not None:
@@ -237,6 +244,7 @@ class Capturer(WorkerService):
             "plan_s": time.monotonic() - t0,
             "wait_s": t0 - min(w.requested for w in waiters),
         }
+        self._last_plan = {"seq": seq, "pages": info["pages"], "plan_s": info["plan_s"], **parts}
         if not prefix_only:
             info["ledger"] = ledger_mod.make_ledger(entries, page_size=self.page_size).model_dump(by_alias=True)
         st = Stream(

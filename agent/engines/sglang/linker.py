@@ -197,6 +197,7 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         self._seq = 0
         self._stream: Stream | None = None  # the capture in flight (one at a time)
         self._unpin: list[Pin] = []  # locks of ended streams, released at the next boundary
+        self._last_plan: dict[str, Any] = {}
         self._files: dict[str, staging.PageFile] = {}  # open mappings of offered files
         self._pending: dict[str, tuple[torch.Tensor, list[tuple[str, bytes]]]] = {}
         self._restored: dict[str, int] = {}  # rid → tokens loaded from offered pages
@@ -461,5 +462,6 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
             "offers": self._offers,
             "stream": None if st is None else {"seq": st.seq, "pins": len(st.pins), **st.summary()},
             "pins_to_release": len(self._unpin),
+            "last_plan": dict(self._last_plan),
             "disabled": self._disabled,
         }
