@@ -69,6 +69,24 @@ POOL = "web-gpuckpt"  # release "web": the chart's default pool, every pod's tru
 A, B = "web-a1b2", "web-c3d4"
 
 
+def rendered_grace(rendered: dict[str, Any]) -> float:
+    """The pod's terminationGracePeriodSeconds as the chart rendered it (when the kubelet SIGKILLs)."""
+    return float(rendered["grace"])
+
+
+def terminate(proc: subprocess.Popen[Any], grace: float) -> int | str:
+    """What the kubelet does to a container after its preStop: SIGTERM, then SIGKILL once the grace
+    period is over. The engine's own drain is vLLM's (a busy host can hold it past the grace
+    period); the final checkpoint was taken by the preStop before it either way."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(max(grace, 60.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return "killed after the grace period"
+
+
 def render(tmp: Path, model: Path, url: str) -> dict[str, Any]:
     """The chart rendered for this machine, with only what an operator sets (values)."""
     values = {
@@ -97,7 +115,12 @@ def render(tmp: Path, model: Path, url: str) -> dict[str, Any]:
     (agent,) = spec["initContainers"]
     (worker,) = spec["containers"]
     assert agent["restartPolicy"] == "Always"  # the native sidecar: started first, stopped last
-    return {"agent": agent, "worker": worker, "toml": one(objs, "ConfigMap")["data"]["agent.toml"]}
+    return {
+        "agent": agent,
+        "worker": worker,
+        "toml": one(objs, "ConfigMap")["data"]["agent.toml"],
+        "grace": float(spec["terminationGracePeriodSeconds"]),
+    }
 
 
 def base_env() -> dict[str, str]:
@@ -266,8 +289,7 @@ def lifecycle(seaweed: SeaweedServer) -> dict[str, Any]:
         out["pre_stop"] = a.pre_stop()
         out["status_a_final"] = a.status()
         # the kubelet: SIGTERM to the worker once its preStop has returned, then to the sidecar
-        w.proc.send_signal(signal.SIGTERM)
-        out["worker_a_exit"] = w.proc.wait(120)
+        out["worker_a_exit"] = terminate(w.proc, rendered_grace(rendered))
         w.kill()  # vLLM's EngineCore, should any child outlive the API server
         assert a.agent is not None
         a.agent.send_signal(signal.SIGTERM)
@@ -305,8 +327,7 @@ def lifecycle(seaweed: SeaweedServer) -> dict[str, Any]:
             {k: partial(wb.client.complete, p, LONG, request_id=f"ref-{k}", stream=False) for k, p in prompts.items()}
         )
         out["reference"] = {k: c.token_ids for k, c in refs.items()}
-        wb.proc.send_signal(signal.SIGTERM)
-        wb.proc.wait(120)
+        terminate(wb.proc, rendered_grace(rendered))
         assert b.agent is not None
         b.agent.send_signal(signal.SIGTERM)
         out["agent_b_exit"] = b.agent.wait(120)

@@ -202,7 +202,13 @@ class SchedulerHalf(VllmService):
             if coming:
                 # its next pages are in the checkpoint but not here yet (the rest still streams):
                 # ask for them and wait, briefly, rather than recompute them
-                want = self.coming_run(hashes, start // bs, n // bs)
+                # from the end of the run of offered blocks (every group that keeps all blocks has
+                # them; windowed groups need only their window and are asked for along the way)
+                keep_all = [g.index for g in self.carried if not g.window] or [g.index for g in self.carried]
+                i, last = start // bs, min(n // bs, len(hashes))
+                while i < last and all(group_key(bytes(hashes[i]), g) in offer for g in keep_all):
+                    i += 1
+                want = self.coming_run(hashes, i, last)
                 if want and self.offers.want(request.request_id, want):
                     return None, False
             tokens = request.all_token_ids
