@@ -36,7 +36,9 @@ def drop_rank(repo_path: str, ref: str, rank: int) -> str:
 @pytest.fixture(scope="module")
 def runs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    base = {"model": str(tiny_llama), "repo": str(tmp / "repo"), "max_tokens": 160}
+    # 240 tokens (the worker script's default): a request must still be decoding when the checkpoint,
+    # taken once all have 40 outputs, reaches its step boundary on a busy host (160 left it too little)
+    base = {"model": str(tiny_llama), "repo": str(tmp / "repo"), "max_tokens": 240}
 
     def worker(name: str, **args: object) -> dict:
         sock, stage = str(tmp / f"{name}.sock"), str(tmp / f"stage-{name}")
