@@ -386,7 +386,10 @@ def _repack(
         for e in live:
             if pw is None:
                 pw = PackWriter(secrets.token_hex(16), blobs.config.pack_size + (1 << 20))
-            pw.add(e.id, data[e.offset : e.offset + e.length], e.raw_length, e.checksum, e.raw_checksum, e.codec)
+            # the content id moves with the blob: other trust domains deduplicate against it (FORMAT.md §10)
+            pw.add(
+                e.id, data[e.offset : e.offset + e.length], e.raw_length, e.checksum, e.raw_checksum, e.codec, e.content
+            )
             if pw.size >= blobs.config.pack_size:
                 flush()
         report.repacked_packs.append(o.name)
