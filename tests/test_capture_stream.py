@@ -9,7 +9,8 @@ from collections import deque
 import pytest
 
 from agent.engines.staging import save_queue_bound
-from agent.engines.vllm.capture import RING, Pending, Stream, chunk_pages
+from agent.engines.streams import RING, chunk_pages
+from agent.engines.vllm.capture import Pending, Stream
 
 PAGE = 1000
 

@@ -147,6 +147,7 @@ class WorkerService:
         self.offers = OfferBook(self._expire_offer)
         self.retired: list[str] = []  # ended offers' files: deleted at the next step boundary
         self.last_stream: dict[str, Any] = {}
+        self.stream: Any = None  # the capture stream in flight (one at a time; lock held)
         self._facts: dict[str, Any] | None = None
         self._facts_lock = threading.Lock()
         self._server: control.ControlServer | None = None
@@ -216,8 +217,47 @@ class WorkerService:
         """This engine's counters beside the common ones (lock held)."""
         return {}
 
-    def on_next(self, msg: Next) -> Reply:
+    def end_stream(self, st: Any, error: str | None) -> None:
+        """Close capture stream ``st`` (lock held): answer or fail its waiters, leave its staged
+        files to be deleted, record it in :attr:`last_stream` and clear :attr:`stream`."""
         raise NotImplementedError
+
+    def on_next(self, msg: Next) -> Reply:
+        """The agent consumed the chunks ``ack`` names (their files are gone); answer with every
+        chunk complete by then (``parts``, at least one: one round trip per batch, not per chunk —
+        under load a round trip costs the agent tens of milliseconds), or ``done`` after the last
+        one. The stream is :attr:`stream` (an :class:`agent.engines.streams.StreamBook`)."""
+        seq = msg.seq
+        deadline = time.monotonic() + msg.timeout
+        with self.lock:
+            st = self.stream
+            if st is None or st.seq != seq:
+                last = self.last_stream
+                if last.get("seq") == seq and last.get("error") is None:
+                    return {"ok": True, "done": True, **last}
+                why = last.get("error") if last.get("seq") == seq else "no such capture in flight"
+                return {"ok": False, "error": f"capture {seq}: {why}"}
+            for k in msg.ack:
+                st.ack(k)
+            if st.done:
+                self.end_stream(st, None)
+                return {"ok": True, "done": True, **self.last_stream}
+            st.touched = time.monotonic()
+        self.wake()  # a chunk may be issued now: an idle engine must step
+        with self.cond:
+            while True:
+                if self.stream is not st or st.error is not None:
+                    return {"ok": False, "error": f"capture {seq} failed: {st.error}"}
+                parts = []
+                while (part := st.hand_out()) is not None:
+                    parts.append(part)
+                if parts:
+                    return {"ok": True, "seq": seq, "done": False, "parts": parts}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = "no chunk within the timeout (is the engine stepping?)"
+                    return {"ok": False, "error": f"capture {seq}: {why}"}
+                self.cond.wait(min(left, 1.0))
 
     def on_keys(self, msg: Keys) -> Reply:
         raise NotImplementedError

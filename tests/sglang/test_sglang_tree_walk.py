@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agent.engines.sglang.stream import Pending, Pin, Planned, Stream, chunk_pages
+from agent.engines.sglang.stream import Pending, Pin, Planned, Stream
 from agent.engines.sglang.tree import NO_NODE, TreeIndex, Walk
+from agent.engines.streams import chunk_pages
 
 P = 4  # page size
 
@@ -99,7 +100,16 @@ def test_keys_are_looked_up_as_chunks_are_taken_and_a_key_taken_before_is_copied
         asked.append(pages)
         return idx.keys(pages, walk.generation)
 
-    st = Stream(1, "n", "/x", {}, Planned(walk.pages, walk.pins, name), chunk_pages=2, page_bytes=10, max_staging=100)
+    st = Stream(
+        seq=1,
+        name="n",
+        directory="/x",
+        info={},
+        pending=Planned(walk.pages, walk.pins, name),
+        chunk_pages=2,
+        page_bytes=10,
+        max_staging=100,
+    )
     st.pins = {7: Pin("lock7", 3)}
     st.seen = {bytes.fromhex("aa")}  # chunk 0 carries a live request's copy of it
     assert asked == []  # nothing named at the consistent point
@@ -113,7 +123,9 @@ def test_keys_are_looked_up_as_chunks_are_taken_and_a_key_taken_before_is_copied
 
 def test_a_pin_is_released_with_its_last_page_and_every_pin_when_the_stream_ends() -> None:
     pages = _planned([Pending(b"a", 1, 7), Pending(b"b", 2, 7), Pending(b"c", 3, 9)])
-    st = Stream(1, "capture-1-1", "/x", {}, pages, chunk_pages=2, page_bytes=10, max_staging=100)
+    st = Stream(
+        seq=1, name="capture-1-1", directory="/x", info={}, pending=pages, chunk_pages=2, page_bytes=10, max_staging=100
+    )
     st.pins = {7: Pin("lock7", 2), 9: Pin("lock9", 1)}
     first = st.take()
     assert [p.key for p in first] == [b"a", b"b"]
@@ -127,7 +139,17 @@ def test_a_pin_is_released_with_its_last_page_and_every_pin_when_the_stream_ends
 def test_chunks_are_bounded_by_the_step_budget_and_the_staging_bound() -> None:
     assert chunk_pages(1000, max_staging=1 << 20, copy_per_step=10_000) == (10, 52)
     assert chunk_pages(1000, max_staging=8000, copy_per_step=10_000) == (2, 2)  # two chunks in half the bound
-    st = Stream(1, "n", "/x", {}, _planned([]), chunk_pages=1, page_bytes=10, max_staging=100, ring=2)
+    st = Stream(
+        seq=1,
+        name="n",
+        directory="/x",
+        info={},
+        pending=_planned([]),
+        chunk_pages=1,
+        page_bytes=10,
+        max_staging=100,
+        ring=2,
+    )
     st.pending = _planned([Pending(bytes([i]), i) for i in range(3)])
     for _ in range(2):
         st.issue(len(st.take()), 0.0)

@@ -17,7 +17,7 @@ so the key the tree offered for it is still the index's. What may change
 after the consistent point — the live requests' pages the tree does not
 hold under the same key with a lock, and tree pages no lock could hold — is
 named and copied at it, in chunk 0. Locks are released as their last page
-is copied and on any end of the stream (:meth:`Capturer._end_stream`:
+is copied and on any end of the stream (:meth:`Capturer.end_stream`:
 their release waits for the next boundary on the scheduler thread).
 """
 
@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from agent.engines import staging
-from agent.engines.protocol import Next
-from agent.engines.service import Reply, Waiter, WorkerService
+from agent.engines.service import Waiter, WorkerService
 from agent.engines.sglang import ledger as ledger_mod
 from agent.engines.sglang import state
-from agent.engines.sglang.stream import Pending, Pin, Planned, Stream, chunk_pages
+from agent.engines.sglang.stream import Pending, Pin, Planned, Stream
 from agent.engines.sglang.tree import NO_NODE, TreeIndex, Walk
+from agent.engines.streams import chunk_pages
 
 __all__ = ["STREAM_IDLE_S", "Capturer"]
 
@@ -62,7 +62,7 @@ class Capturer(WorkerService):
     _tree: TreeIndex
     _step: int
     _seq: int
-    _stream: Stream | None
+    stream: Stream | None
     _unpin: list[Pin]
     _last_plan: dict[str, Any]  # the last consistent point's planning, by phase (engine_stats)
 
@@ -199,7 +199,7 @@ class Capturer(WorkerService):
             self._open_stream(waiters, entries, walk, mutable, pending, locks, list(skipped), t0, parts)
         except BaseException:
             with self.lock:
-                owned = self._stream is not None and self._stream.pins is locks
+                owned = self.stream is not None and self.stream.pins is locks
             if not owned:  # an open stream releases its own locks as it ends
                 self._unlock(list(locks.values()))
             raise
@@ -220,8 +220,8 @@ class Capturer(WorkerService):
         ``parts``: the planning's phases (seconds: the live requests, the tree walk, the locks)."""
         prefix_only = all(w.prefix_only for w in waiters)
         with self.lock:
-            if self._stream is not None:
-                self._end_stream(self._stream, "superseded by a new capture")
+            if self.stream is not None:
+                self.end_stream(self.stream, "superseded by a new capture")
             self._seq += 1
             seq = self._seq
         w0 = waiters[0]
@@ -273,7 +273,7 @@ class Capturer(WorkerService):
             )
         t1 = time.monotonic()
         with self.lock:
-            self._stream = st
+            self.stream = st
             taken = self._take(st, max(0, per_chunk - len(mutable)))
             if taken is None:
                 return
@@ -301,16 +301,16 @@ class Capturer(WorkerService):
         try:
             return st.take(n)
         except LookupError as exc:
-            self._end_stream(st, f"naming pinned pages failed: {exc}")
+            self.end_stream(st, f"naming pinned pages failed: {exc}")
             return None
 
     def _pump(self, st: Stream) -> None:
         """A stream's share of this step: the next chunk, if the staging bound has room."""
         with self.lock:
-            if self._stream is not st:
+            if self.stream is not st:
                 return
             if st.idle(time.monotonic()):
-                self._end_stream(st, "no word from the agent")
+                self.end_stream(st, "no word from the agent")
                 return
             if not st.can_issue():
                 return
@@ -328,7 +328,7 @@ class Capturer(WorkerService):
             host = self._gather(pages)
         except BaseException as exc:
             with self.lock:
-                self._end_stream(st, f"copying pages failed: {type(exc).__name__}: {exc}")
+                self.end_stream(st, f"copying pages failed: {type(exc).__name__}: {exc}")
             raise
         copy_s = time.monotonic() - t0
         with self.lock:
@@ -397,12 +397,12 @@ class Capturer(WorkerService):
             log.exception("gpuckpt: writing capture %d chunk %d failed", st.seq, k)
             rec = {"error": f"{type(exc).__name__}: {exc}"}
         with self.lock:
-            if self._stream is not st or st.error is not None:  # ended meanwhile: nobody reads it
+            if self.stream is not st or st.error is not None:  # ended meanwhile: nobody reads it
                 if rec.get("index"):
                     staging.unlink_pair(rec["index"])
                 return
             if rec.get("error"):
-                self._end_stream(st, f"chunk {k}: {rec['error']}")
+                self.end_stream(st, f"chunk {k}: {rec['error']}")
                 return
             st.report(k, rec)
             if k == 0:
@@ -430,26 +430,26 @@ class Capturer(WorkerService):
 
     def forget_waiter(self, w: Waiter) -> None:
         """A capture call gave up (lock held): a stream whose chunk 0 nobody awaits any more ends."""
-        st = self._stream
+        st = self.stream
         if st is not None and w in st.waiters:
             st.waiters.remove(w)
             if not st.waiters:
-                self._end_stream(st, "the capture call timed out")
+                self.end_stream(st, "the capture call timed out")
 
     def end_stream_of(self, w: Waiter, seq: int, why: str) -> None:
         self.stream_cancel(seq, why)
 
     def stream_cancel(self, seq: int, why: str) -> bool:
-        st = self._stream
+        st = self.stream
         if st is not None and (seq < 0 or st.seq == seq):
-            self._end_stream(st, why)
+            self.end_stream(st, why)
             return True
         return False
 
     def stream_names(self) -> set[str]:
-        return {self._stream.name} if self._stream is not None else set()
+        return {self.stream.name} if self.stream is not None else set()
 
-    def _end_stream(self, st: Stream, error: str | None) -> None:
+    def end_stream(self, st: Stream, error: str | None) -> None:
         """Close a capture stream (lock held): its locks go to the next boundary's release; with
         ``error``, delete what it staged and tell whoever waits for it."""
         if error is not None:
@@ -461,42 +461,6 @@ class Capturer(WorkerService):
         st.waiters = []
         self._unpin.extend(st.take_pins())
         self.last_stream = {"seq": st.seq, "error": st.error, **st.summary()}
-        if self._stream is st:
-            self._stream = None
+        if self.stream is st:
+            self.stream = None
         self.cond.notify_all()
-
-    def on_next(self, msg: Next) -> Reply:
-        """The agent consumed the chunks ``ack`` names (their files are gone): answer with every
-        chunk written by then (``parts``, at least one), or ``done`` after the last one."""
-        seq = msg.seq
-        deadline = time.monotonic() + msg.timeout
-        with self.lock:
-            st = self._stream
-            if st is None or st.seq != seq:
-                last = self.last_stream
-                if last.get("seq") == seq and last.get("error") is None:
-                    return {"ok": True, "done": True, **last}
-                why = last.get("error") if last.get("seq") == seq else "no such capture in flight"
-                return {"ok": False, "error": f"capture {seq}: {why}"}
-            for k in msg.ack:
-                st.ack(k)
-            if st.done:
-                self._end_stream(st, None)
-                return {"ok": True, "done": True, **self.last_stream}
-            st.touched = time.monotonic()
-        with self.cond:
-            while True:
-                if self._stream is not st or st.error is not None:
-                    return {"ok": False, "error": f"capture {seq} failed: {st.error}"}
-                parts = []
-                while (part := st.hand_out()) is not None:
-                    parts.append(part)
-                if parts:
-                    return {"ok": True, "seq": seq, "done": False, "parts": parts}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return {
-                        "ok": False,
-                        "error": f"capture {seq}: no chunk within the timeout (is the scheduler paused?)",
-                    }
-                self.cond.wait(min(left, 1.0))

@@ -110,8 +110,9 @@ from agent.engines.sglang import state
 from agent.engines.sglang.capture import STREAM_IDLE_S, Capturer
 from agent.engines.sglang.describe import describe
 from agent.engines.sglang.state import page_keys, tail_key
-from agent.engines.sglang.stream import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, Pin, Stream
+from agent.engines.sglang.stream import Pin, Stream
 from agent.engines.sglang.tree import TreeIndex
+from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING
 from agent.fs import Trust
 
 __all__ = ["STREAM_IDLE_S", "GpuckptLinker", "page_keys", "tail_key"]
@@ -195,7 +196,7 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         self._tree = TreeIndex(self.page_size)
         self._step = 0
         self._seq = 0
-        self._stream: Stream | None = None  # the capture in flight (one at a time)
+        self.stream: Stream | None = None  # the capture in flight (one at a time)
         self._unpin: list[Pin] = []  # locks of ended streams, released at the next boundary
         self._last_plan: dict[str, Any] = {}
         self._files: dict[str, staging.PageFile] = {}  # open mappings of offered files
@@ -237,7 +238,7 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
                 self._retire()
         if self._unpin:
             self._release_pins()
-        st = self._stream
+        st = self.stream
         if st is not None:
             self._pump(st)
         if not (self.capture_calls or self.wait_calls):  # read without the lock on every loop
@@ -399,8 +400,8 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         self._pending.clear()
         self.layer_done_counter.reset()
         with self.lock:
-            if self._stream is not None:
-                self._end_stream(self._stream, "the server flushed its cache")
+            if self.stream is not None:
+                self.end_stream(self.stream, "the server flushed its cache")
         self._release_pins()
         self._tree.clear()
 
@@ -408,8 +409,8 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
     def close(self) -> None:
         self.close_server()
         with self.lock:
-            if self._stream is not None:
-                self._end_stream(self._stream, "the server is shutting down")
+            if self.stream is not None:
+                self.end_stream(self.stream, "the server is shutting down")
             self.end_offer()
             self._retire()
         self._release_pins()
@@ -452,7 +453,7 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         return {"ok": True, "keys": out}
 
     def engine_stats(self) -> dict[str, Any]:
-        st = self._stream
+        st = self.stream
         return {
             "restored_tokens": dict(self._restored),
             "step": self._step,

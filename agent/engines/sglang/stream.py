@@ -35,20 +35,13 @@ abandoned (a killed agent): its staged chunks are deleted.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["DEFAULT_COPY_PER_STEP", "DEFAULT_MAX_STAGING", "Pending", "Pin", "Planned", "Stream", "chunk_pages"]
+from agent.engines.streams import StreamBook
 
-#: default bound on the host memory a capture stages (page files not yet consumed by the agent)
-DEFAULT_MAX_STAGING = 256 << 20
-#: default bytes of pinned pages copied per scheduler step after the consistent point
-DEFAULT_COPY_PER_STEP = 16 << 20
-#: the fewest chunks the staging bound should hold: one the agent reads while the next is written
-RING = 2
-
+__all__ = ["Pending", "Pin", "Planned", "Stream"]
 
 class Pending(NamedTuple):
     """A page to copy: its key, its page number in the KV pools (slots ``page·p … page·p + p - 1``),
@@ -97,57 +90,21 @@ class Pin:
     left: int = 0
 
 
-def chunk_pages(page_bytes: int, *, max_staging: int, copy_per_step: int) -> tuple[int, int]:
-    """``(pages per chunk, chunks staged at most)``: a chunk is at most ``copy_per_step`` bytes, and
-    the staged chunks take at most half of ``max_staging`` — at least two where the bound allows,
-    so the scheduler copies one while the agent reads another (the other half is for pages of read
-    chunks still queued in the agent's save, as for vLLM)."""
-    page_bytes = max(1, page_bytes)
-    half = max_staging // 2
-    pages = max(1, min(copy_per_step // page_bytes, half // (RING * page_bytes)))
-    return pages, max(1, half // (pages * page_bytes))
-
-
-@dataclass
-class Stream:
+@dataclass(kw_only=True)
+class Stream(StreamBook):
     """One capture in flight. Every method runs under the linker's lock; the pins are touched on
     the scheduler thread only (the tree is not thread-safe)."""
 
-    seq: int
-    name: str
-    directory: str
-    info: dict[str, Any]  # the consistent point's facts: ledger, counts, timings
     pending: Planned
-    chunk_pages: int
-    page_bytes: int
-    max_staging: int
-    ring: int = RING
-    prefix_only: bool = False
-    idle_timeout: float = 300.0
-    waiters: list[Any] = field(default_factory=list)  # capture calls answered with chunk 0
     pins: dict[int, Pin] = field(default_factory=dict)  # node → its lock, pages it still holds
     seen: set[bytes] = field(default_factory=set)  # keys taken (chunk 0's included): copied once
     dropped: list[Pending] = field(default_factory=list)  # taken pages whose key was taken before
-    issued: int = 0
-    acked: set[int] = field(default_factory=set)
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # chunk → its page file's report
-    complete: deque[int] = field(default_factory=deque)  # written, not yet handed out
-    chunk_pages_of: dict[int, int] = field(default_factory=dict)
-    error: str | None = None
-    last_chunk: int | None = None  # set once nothing is pending after a chunk is issued
-    staged_bytes: int = 0
-    peak_staged: int = 0
-    copied_pages: int = 0
-    max_copy_s: float = 0.0  # the longest a chunk's copy held up the scheduler
-    touched: float = field(default_factory=time.monotonic)
-    issued_at: dict[int, float] = field(default_factory=dict)
-    latency: float = 0.0  # sum over chunks of issue → written
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
 
     # -- the scheduler thread --
-
-    def can_issue(self) -> bool:
-        unacked = self.issued - len(self.acked)
-        return self.error is None and self.last_chunk is None and unacked < self.ring
 
     def take(self, n: int | None = None) -> list[Pending]:
         """The next chunk's pages (``n``, else ``chunk_pages``, at most), named; a key taken before
@@ -163,19 +120,6 @@ class Stream:
                     self.seen.add(pg.key)
                     out.append(pg)
         return out
-
-    def issue(self, pages: int, copy_s: float) -> int:
-        """Record chunk ``issued`` (``pages`` pages, copied off the pools in ``copy_s``)."""
-        k = self.issued
-        self.issued += 1
-        self.chunk_pages_of[k] = pages
-        self.issued_at[k] = time.monotonic()
-        self.staged_bytes += pages * self.page_bytes
-        self.peak_staged = max(self.peak_staged, self.staged_bytes)
-        self.max_copy_s = max(self.max_copy_s, copy_s)
-        if not self.pending:
-            self.last_chunk = k
-        return k
 
     def copied(self, pages: list[Pending]) -> list[Pin]:
         """``pages`` are off the pools (and the pages left out as taken before are done with): the
@@ -205,28 +149,11 @@ class Stream:
         if rec.get("error"):
             self.error = self.error or f"chunk {chunk}: {rec['error']}"
             return
-        self.latency += time.monotonic() - self.issued_at.get(chunk, time.monotonic())
-        self.copied_pages += self.chunk_pages_of.get(chunk, 0)
+        self.written_out(chunk)
         if chunk > 0:  # chunk 0 answers the capture call itself
             self.complete.append(chunk)
 
     # -- the control threads --
-
-    @property
-    def done(self) -> bool:
-        """Every chunk up to the last acknowledged."""
-        return self.last_chunk is not None and len(self.acked) == self.last_chunk + 1
-
-    def ack(self, chunk: int) -> None:
-        if chunk in self.acked or chunk >= self.issued:
-            return
-        self.acked.add(chunk)
-        self.staged_bytes -= self.chunk_pages_of.get(chunk, 0) * self.page_bytes
-        self.touched = time.monotonic()
-
-    def idle(self, now: float) -> bool:
-        """No word from the agent for ``idle_timeout`` s (a killed agent: nobody reads the chunks)."""
-        return now - self.touched > self.idle_timeout
 
     def part(self, k: int) -> dict[str, Any]:
         """Chunk ``k`` as a reply part."""
@@ -242,16 +169,3 @@ class Stream:
     def files(self) -> list[str]:
         """Every page file this stream wrote that the agent has not acknowledged."""
         return [str(r["index"]) for k, r in self.reports.items() if k not in self.acked and r.get("index")]
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "chunks": self.issued,
-            "copied_pages": self.copied_pages,
-            "lost_pages": 0,
-            "staged_peak_bytes": self.peak_staged,
-            "max_staging_bytes": self.max_staging,
-            "chunk_pages": self.chunk_pages,
-            "ring": self.ring,
-            "mean_chunk_latency_s": self.latency / max(1, len(self.reports)),
-            "max_chunk_copy_s": self.max_copy_s,
-        }

@@ -35,12 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-#: default bound on the host memory a capture stages (page files not yet consumed by the agent)
-DEFAULT_MAX_STAGING = 256 << 20
-#: default bytes of full blocks copied per engine step beyond the consistent point
-DEFAULT_COPY_PER_STEP = 16 << 20
-#: the fewest chunks the staging bound should hold: one the agent reads while the next is written
-RING = 2
+from agent.engines.streams import StreamBook
 
 
 @dataclass
@@ -85,59 +80,23 @@ class Pending:
     lookup: Any  # the block pool's map key (BlockHashWithGroupId)
 
 
-def chunk_pages(page_bytes: int, *, max_staging: int, copy_per_step: int) -> tuple[int, int]:
-    """``(pages per chunk, chunks staged at most)``: a chunk is at most ``copy_per_step`` bytes,
-    and the staged chunks (written, being written or not yet acknowledged) take at most half of
-    ``max_staging`` — at least two of them where the bound allows, so the worker copies one while
-    the agent reads another. The other half is for pages of read chunks still queued in the agent's
-    save (:func:`agent.engines.staging.save_queue_bound`). A deeper ring hides the agent's round trip per chunk: under
-    load that is tens of milliseconds, many engine steps."""
-    page_bytes = max(1, page_bytes)
-    half = max_staging // 2
-    per_step = copy_per_step // page_bytes
-    pages = max(1, min(per_step, half // (RING * page_bytes)))
-    return pages, max(1, half // (pages * page_bytes))
-
-
-@dataclass
-class Stream:
+@dataclass(kw_only=True)
+class Stream(StreamBook):
     """One capture in flight (scheduler half; every method runs under the connector's lock)."""
 
-    seq: int
-    name: str
-    directory: str
-    info: dict[str, Any]  # the consistent point's facts: ledger, counts, timings
     pending: deque[Pending]
-    chunk_pages: int
-    page_bytes: int  # a stored page (every rank's heads together)
-    max_staging: int
-    ring: int = RING  # chunks staged at most (see chunk_pages)
-    prefix_only: bool = False  # a pre-copy: no ledger, superseded by any real capture
-    idle_timeout: float = 300.0
-    waiters: list[Any] = field(default_factory=list)  # capture calls answered with chunk 0
-    issued: int = 0  # chunks handed to the workers
-    acked: set[int] = field(default_factory=set)
     reports: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # chunk → rank → report
-    complete: deque[int] = field(default_factory=deque)  # chunks every rank wrote, not yet handed out
     reported: set[int] = field(default_factory=set)  # chunks every rank wrote
-    chunk_pages_of: dict[int, int] = field(default_factory=dict)
     lost: list[bytes] = field(default_factory=list)
     lost_reported: int = 0
-    error: str | None = None
-    last_chunk: int | None = None  # set once nothing is pending after a chunk is issued
-    staged_bytes: int = 0
-    peak_staged: int = 0
-    copied_pages: int = 0
-    max_copy_s: float = 0.0
-    touched: float = field(default_factory=time.monotonic)
-    issued_at: dict[int, float] = field(default_factory=dict)
-    latency: float = 0.0  # sum over chunks of issue → every rank's report
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def lost_pages(self) -> int:
+        return len(self.lost)
 
     # -- the scheduler thread --
-
-    def can_issue(self) -> bool:
-        unacked = self.issued - len(self.acked)
-        return self.error is None and self.last_chunk is None and unacked < self.ring
 
     def take(self, still_there: Callable[[Pending], bool]) -> list[Pending]:
         """The next chunk's pages: up to ``chunk_pages`` pending blocks that are still cached;
@@ -151,18 +110,6 @@ class Stream:
                 self.lost.append(p.key)
         return out
 
-    def issue(self, pages: int) -> int:
-        """Record chunk ``issued`` of ``pages`` pages going to the workers; returns its number."""
-        k = self.issued
-        self.issued += 1
-        self.chunk_pages_of[k] = pages
-        self.issued_at[k] = time.monotonic()
-        self.staged_bytes += pages * self.page_bytes
-        self.peak_staged = max(self.peak_staged, self.staged_bytes)
-        if not self.pending:
-            self.last_chunk = k
-        return k
-
     def report(self, chunk: int, rank: int, rec: dict[str, Any], tp: int) -> bool:
         """A rank's report of a chunk; True when the chunk is complete (every rank) or failed."""
         got = self.reports.setdefault(chunk, {})
@@ -174,16 +121,9 @@ class Stream:
         if len(got) < tp:
             return False
         self.reported.add(chunk)
-        self.latency += time.monotonic() - self.issued_at.get(chunk, time.monotonic())
-        self.copied_pages += self.chunk_pages_of.get(chunk, 0)
-        self.max_copy_s = max(self.max_copy_s, max(float(d.get("copy_s", 0.0)) for d in got.values()))
+        self.written_out(chunk, max(float(d.get("copy_s", 0.0)) for d in got.values()))
         self.complete.append(chunk)
         return True
-
-    @property
-    def done(self) -> bool:
-        """Every chunk up to the last acknowledged (chunks may complete out of order)."""
-        return self.last_chunk is not None and len(self.acked) == self.last_chunk + 1
 
     def needs_steps(self) -> bool:
         """Whether the engine must keep stepping for this stream: a chunk to issue, or a chunk whose
@@ -193,17 +133,6 @@ class Stream:
         return self.can_issue() or len(self.reported) < self.issued
 
     # -- the control thread --
-
-    def ack(self, chunk: int) -> None:
-        if chunk in self.acked or chunk >= self.issued:
-            return
-        self.acked.add(chunk)
-        self.staged_bytes -= self.chunk_pages_of.get(chunk, 0) * self.page_bytes
-        self.touched = time.monotonic()
-
-    def idle(self, now: float) -> bool:
-        """No word from the agent for ``idle_timeout`` s (a killed agent: nobody reads the chunks)."""
-        return now - self.touched > self.idle_timeout
 
     def hand_out(self, chunk: int | None = None) -> dict[str, Any] | None:
         """A complete chunk (``chunk``, or the first to complete) as a reply part, or None."""
@@ -236,16 +165,3 @@ class Stream:
                 continue
             out += [str(d["index"]) for d in ranks.values() if d.get("index")]
         return out
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "chunks": self.issued,
-            "copied_pages": self.copied_pages,
-            "lost_pages": len(self.lost),
-            "staged_peak_bytes": self.peak_staged,
-            "max_staging_bytes": self.max_staging,
-            "chunk_pages": self.chunk_pages,
-            "ring": self.ring,
-            "mean_chunk_latency_s": self.latency / max(1, len(self.reported)),
-            "max_chunk_copy_s": self.max_copy_s,
-        }

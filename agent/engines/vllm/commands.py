@@ -63,9 +63,10 @@ from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.request import Request
 
 from agent.engines import staging
-from agent.engines.protocol import Hold, KeyRequest, Keys, Next
+from agent.engines.protocol import Hold, KeyRequest, Keys
 from agent.engines.service import InjectedFault, Reply, Waiter, WorkerService
-from agent.engines.vllm.capture import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, CopyJob, Pending, Stream, chunk_pages
+from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, chunk_pages
+from agent.engines.vllm.capture import CopyJob, Pending, Stream
 from agent.engines.vllm.describe import describe
 from agent.engines.vllm.groups import GroupRule, carried, group_key, kv_groups, not_carried
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
@@ -294,42 +295,6 @@ class VllmService(WorkerService):
             self.hold_until = time.monotonic() + msg.timeout  # never held forever
             self.held = set()
         return {"ok": True}
-
-    def on_next(self, msg: Next) -> Reply:
-        """The agent consumed the chunks ``ack`` names (their files are gone); answer with every chunk
-        complete by then (``parts``, at least one: one round trip per batch, not per chunk — under
-        load a round trip costs the agent tens of milliseconds), or ``done`` after the last one."""
-        seq = msg.seq
-        deadline = time.monotonic() + msg.timeout
-        with self.lock:
-            st = self.stream
-            if st is None or st.seq != seq:
-                last = self.last_stream
-                if last.get("seq") == seq and last.get("error") is None:
-                    return {"ok": True, "done": True, **last}
-                why = last.get("error") if last.get("seq") == seq else "no such capture in flight"
-                return {"ok": False, "error": f"capture {seq}: {why}"}
-            for k in msg.ack:
-                st.ack(k)
-            if st.done:
-                self.end_stream(st, None)
-                return {"ok": True, "done": True, **self.last_stream}
-            st.touched = time.monotonic()
-        self.wake()  # a chunk may be issued now: an idle engine must step
-        with self.cond:
-            while True:
-                if self.stream is not st or st.error is not None:
-                    return {"ok": False, "error": f"capture {seq} failed: {st.error}"}
-                parts = []
-                while (part := st.hand_out()) is not None:
-                    parts.append(part)
-                if parts:
-                    return {"ok": True, "seq": seq, "done": False, "parts": parts}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    why = "no chunk within the timeout (is the engine stepping?)"
-                    return {"ok": False, "error": f"capture {seq}: {why}"}
-                self.cond.wait(min(left, 1.0))
 
     # ------------------------------------------------------------------ at the step boundary (lock held)
 
