@@ -27,9 +27,16 @@ def write_tiny_llama(path: Path, *, dtype: str = "float32", seed: int = 0, bos: 
     return path
 
 
-def write_tiny_llama_text(path: Path) -> Path:
-    """The tiny random Llama with a tokenizer (byte-level BPE generated with ``tokenizers``), at
-    ``path``: for requests that need text, such as structured outputs."""
+#: a chat template for the generated tokenizers: "role: content" lines, then "assistant:"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def write_tokenizer(path: Path, *, chat: bool = False) -> tuple[int, int]:
+    """A byte-level BPE tokenizer of 500 tokens (generated with ``tokenizers``) at ``path``, with
+    :data:`CHAT_TEMPLATE` if ``chat``; returns its ``(bos, eos)`` ids for the model's config."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,14 +52,24 @@ def write_tiny_llama_text(path: Path) -> Path:
     corpus = ['{"name": "alpha", "items": ["beta", "gamma"], "count": 12}', "the quick brown fox jumps"] * 50
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
-    return write_tiny_llama(path, seed=1, bos=fast.bos_token_id, eos=fast.eos_token_id)
+    return int(fast.bos_token_id), int(fast.eos_token_id)
 
 
-def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0) -> Path:
+def write_tiny_llama_text(path: Path, *, chat: bool = False) -> Path:
+    """The tiny random Llama with a tokenizer (:func:`write_tokenizer`), at ``path``: for requests
+    that need text, such as structured outputs (``chat``: and the chat endpoint)."""
+    bos, eos = write_tokenizer(path, chat=chat)
+    return write_tiny_llama(path, seed=1, bos=bos, eos=eos)
+
+
+def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0, chat: bool = False) -> Path:
     """A tiny random-weight model with sliding-window attention (window ``window`` tokens), as
     vLLM's hybrid KV cache manager groups it: ``"gemma3"`` interleaves sliding and global layers
-    (Gemma 3's pattern: two groups), ``"mistral"`` slides in every layer (one sliding group)."""
+    (Gemma 3's pattern: two groups), ``"mistral"`` slides in every layer (one sliding group).
+    ``chat``: with a tokenizer and a chat template (:func:`write_tokenizer`)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
@@ -69,6 +86,8 @@ def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if chat:
+        common["bos_token_id"], common["eos_token_id"] = write_tokenizer(path, chat=True)
     if kind == "gemma3":
         cfg = Gemma3TextConfig(
             **common,

@@ -41,6 +41,8 @@ from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
 from agent.testing import ServeProcess
 from ckpt import Repository
 from tests.harness.cli import CLI
+from tests.harness.clients import call, generated
+from tests.harness.models import CHAT_TEMPLATE
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
 from tests.harness.vllm import ARGS as SERVE_ARGS
@@ -56,10 +58,6 @@ ARGS = [
     "--structured-outputs-config",
     json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
 ]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 N = 160
 SCHEMA = {
     "type": "object",
@@ -165,49 +163,6 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
             1,
         ),
     }
-
-
-def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1") -> dict[str, Any]:
-    """One API call as a client makes it: the choices' text and token ids, finish reasons, headers."""
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    headers = {"X-Request-Id": rid, "Authorization": f"Bearer {key}"}
-    body = {"model": "m", **body}
-    out: dict[str, Any] = {"choices": {}}
-
-    def take(i: int, text: str | None, ids: list[int] | None, finish: str | None) -> None:
-        c = out["choices"].setdefault(i, {"text": "", "ids": [], "finish": None})
-        c["text"] += text or ""
-        c["ids"] += ids or []
-        c["finish"] = finish or c["finish"]
-
-    with httpx.Client(timeout=600) as h:
-        if body.get("stream"):
-            with h.stream("POST", f"{url}{path}", json=body, headers=headers) as r:
-                assert r.status_code == 200, r.read()
-                out["attach"] = r.headers.get(ATTACH_HEADER)
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    for ch in ev.get("choices") or ():
-                        text = (ch.get("delta") or {}).get("content") if endpoint == "chat" else ch.get("text")
-                        take(ch["index"], text, ch.get("token_ids"), ch.get("finish_reason"))
-        else:
-            r = h.post(f"{url}{path}", json=body, headers=headers)
-            assert r.status_code == 200, r.text
-            out["attach"] = r.headers.get(ATTACH_HEADER)
-            for ch in r.json()["choices"]:
-                text = ch["message"]["content"] if endpoint == "chat" else ch["text"]
-                take(ch["index"], text, ch.get("token_ids"), ch.get("finish_reason"))
-    return out
-
-
-def generated(url: str) -> float:
-    """The engine's own count of generated tokens (``/metrics``)."""
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:generation_tokens_total"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:generation_tokens_total in /metrics")
 
 
 def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:

@@ -1,0 +1,157 @@
+"""A sliding-window model's clients, through ``vllm serve``'s chat and completions endpoints, with
+vLLM's hybrid KV cache manager on.
+
+Worker A serves a Gemma-3-style model (sliding and global layers interleaved, a 64-token window,
+with a tokenizer and a chat template; gpuckpt's connector and middleware loaded) to three
+clients, chat streamed, chat seeded and not streamed, and completions streamed, whose prompts and
+outputs run well past the window (blocks have left it). A checkpoint is taken mid-decode; A
+finishes the requests (what each client got: the reference) and is SIGKILLed. Worker B restores
+the checkpoint warm; each client retries its call (same id, same body) and gets the whole
+original answer, token for token and character for character.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+from agent import session
+from agent.engines import canary
+from ckpt import Repository
+from tests.harness.clients import call, generated
+from tests.harness.models import write_tiny_sliding
+from tests.harness.vllm import ARGS as SERVE_ARGS
+from tests.harness.vllm import serve_worker
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 64
+N = 200
+ARGS = [*(a for a in SERVE_ARGS if a != "--skip-tokenizer-init"), "--max-num-seqs", "8", "--served-model-name", "m"]
+NOEOS = {"ignore_eos": True, "return_token_ids": True}
+
+
+def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any]]]:
+    """id → (endpoint, body): prompts longer than the window, outputs far past it."""
+
+    def words(k: int) -> str:
+        return " ".join(rng.choice(["alpha", "beta", "gamma", "quick", "brown", "fox", "jumps"]) for _ in range(k))
+
+    def chat(k: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": "the quick brown fox"}, {"role": "user", "content": words(k)}]
+
+    return {
+        "chat": ("chat", {"messages": chat(90), "temperature": 0.0, "max_tokens": N, **NOEOS, "stream": True}),
+        "seeded": (
+            "chat",
+            {"messages": chat(80), "temperature": 0.8, "seed": 7, "max_tokens": N, **NOEOS, "stream": False},
+        ),
+        "completion": (
+            "completions",
+            {"prompt": words(85), "temperature": 0.0, "max_tokens": N, **NOEOS, "stream": True},
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm-hybrid-serve")
+    model = write_tiny_sliding(tmp / "model", kind="gemma3", window=WINDOW, chat=True)
+    repo = Repository.open(str(tmp / "repo"), create=True)
+    reqs = kinds(random.Random(3))
+    out: dict[str, Any] = {"kinds": reqs}
+    with serve_worker(model, tmp, "a", ARGS) as a:
+        a.wait_ready()
+        # B starts while A works, on another CPU (an engine start costs ~20 s here)
+        b_early = module_cleanup.enter_context(serve_worker(model, tmp, "b", ARGS, cpu=1))
+        probe = canary.record(a.client.generate)
+        ref: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        def run(k: str) -> None:
+            try:
+                ref[k] = call(a.url, k, *reqs[k])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in reqs]
+        session.hold(a.control_socket, len(reqs), timeout=300)
+
+        def start() -> None:
+            for t in threads:
+                t.start()
+
+        when = {"live": len(reqs), "min_outputs": 40}
+        taken = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        out["checkpoint"], out["reference"] = taken.manifest, ref
+        a.kill()
+    with b_early as b:
+        b.wait_ready()
+        m = out["checkpoint"]
+        plan = session.restore(
+            repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate
+        )
+        out["plan"] = plan
+        g0 = generated(b.url)
+        resumed: dict[str, Any] = {}
+        sub = threading.Thread(target=lambda: resumed.update(b.client.submit(plan.requests)))
+        sub.start()
+        retries: dict[str, Any] = {}
+
+        def retry(k: str) -> None:
+            try:
+                retries[k] = call(b.url, k, *reqs[k])
+            except BaseException as exc:
+                errors.append(exc)
+
+        rthreads = [threading.Thread(target=retry, args=(k,)) for k in reqs]
+        for t in rthreads:
+            t.start()
+        for t in rthreads:
+            t.join(600)
+        sub.join(600)
+        assert not errors, errors
+        out["retries"], out["resumed"] = retries, resumed
+        out["generated"] = generated(b.url) - g0
+        out["connector"] = session.stats(b.control_socket)
+    return out
+
+
+def test_checkpointed_mid_decode_past_the_window_with_both_groups_pinned(served: dict[str, Any]) -> None:
+    m = served["checkpoint"]
+    assert m.pins.worker.kv_groups == f"g0=sliding_window:{WINDOW}/2;g1=full/2"
+    entries = m.ledger.data["requests"]
+    assert len(entries) == 3
+    for e in entries:
+        assert e["exact"], (e["client_request_id"], e["inexact_reasons"])
+        assert 40 <= len(e["output_token_ids"]) < N, "checkpointed mid-decode"
+        assert len(e["prompt_token_ids"]) + len(e["output_token_ids"]) > WINDOW + 32, "not past the window"
+
+
+def test_each_client_gets_the_whole_uninterrupted_answer(served: dict[str, Any]) -> None:
+    assert served["plan"].warm, served["plan"].reasons
+    loaded = served["connector"]["restored_tokens"]  # the canary's request too
+    for e in served["checkpoint"].ledger.data["requests"]:
+        assert loaded.get(e["client_request_id"], 0) > 0, loaded  # loaded by the connector, not recomputed
+    for k, ref in served["reference"].items():
+        got = served["retries"][k]
+        assert got["attach"] == "attached", (k, got["attach"])
+        assert got["choices"].keys() == ref["choices"].keys() == {0}, k
+        assert got["choices"][0]["ids"] == ref["choices"][0]["ids"], f"{k}: tokens differ from the uninterrupted run"
+        assert got["choices"][0]["text"] == ref["choices"][0]["text"], f"{k}: text differs"
+        assert got["choices"][0]["finish"] == ref["choices"][0]["finish"] == "length", k
+        assert len(ref["choices"][0]["ids"]) == N
+
+
+def test_the_missing_tokens_are_generated_once(served: dict[str, Any]) -> None:
+    resumed = served["resumed"]
+    missing = sum(N - len(e["output_token_ids"]) for e in served["checkpoint"].ledger.data["requests"])
+    assert sum(len(c.token_ids) for c in resumed.values()) == missing
+    assert served["generated"] == missing
