@@ -38,14 +38,17 @@ from agent.engines.sglang import ledger as ledger_mod
 from agent.engines.sglang import state
 from agent.engines.sglang.stream import Pending, Pin, Planned, Stream
 from agent.engines.sglang.tree import NO_NODE, TreeIndex, Walk
+from agent.engines.shards import Heads, full_shape
 from agent.engines.streams import chunk_pages
 
-__all__ = ["STREAM_IDLE_S", "Capturer"]
+__all__ = ["HEAD_AXIS", "STREAM_IDLE_S", "Capturer"]
 
 log = logging.getLogger("gpuckpt.sglang")
 
 #: A stream with no word from the agent for this long is abandoned (its page files deleted).
 STREAM_IDLE_S = 300.0
+#: The KV heads' axis in a layer's page (``[2 (K, V), page_size, kv_heads, head_dim]``).
+HEAD_AXIS = 2
 
 
 class Capturer(WorkerService):
@@ -65,6 +68,27 @@ class Capturer(WorkerService):
     stream: Stream | None
     _unpin: list[Pin]
     _last_plan: dict[str, Any]  # the last consistent point's planning, by phase (engine_stats)
+    _rank: int  # this scheduler's tensor-parallel rank (0: the one the agent talks to)
+    _tp: int
+    _heads: Heads  # the KV heads this rank's pools hold
+
+    # ------------------------------------------------------------------ what tensor parallelism changes
+    # (the defaults are a single rank's; :class:`.ranks.TensorParallel` overrides them)
+
+    def _skip_keys(self) -> set[bytes]:
+        """The keys an incremental capture leaves out (the repository holds them)."""
+        return self.offers.durable
+
+    def _stream_tag(self) -> str:
+        """What names this server's capture streams (the same on every rank)."""
+        return str(os.getpid())
+
+    def _stream_opened(self, st: Stream) -> None:
+        """``st`` became :attr:`stream` (lock held)."""
+
+    def _keeps_pins(self, st: Stream) -> bool:
+        """Whether an ended ``st`` keeps its locks for the next announcement (lock held)."""
+        return False
 
     # ------------------------------------------------------------------ engine state
 
@@ -72,12 +96,23 @@ class Capturer(WorkerService):
         return getattr(self._scheduler, "tree_cache", None)
 
     def _walk(self) -> Walk:
-        """The radix tree's full pages now (none without a tree: a linker hosted on bare pools)."""
+        """The radix tree's full pages now (none without a tree: a linker hosted on bare pools).
+
+        Tensor parallel: every rank's tree holds the same nodes, but the tree core walks a node's
+        children in an order of its own process (its hash map's), so the ranks' walks list the same
+        pages in different orders. The pages are put in page order (pool pages are allocated alike
+        on every rank), and a page with no node of its own (a restore loaded it) is not pinned by
+        a node below it — which one the walk meets first differs by rank too — but copied at the
+        consistent point: every rank then locks the same nodes and cuts the same chunks."""
         core = getattr(self._cache(), "tree_core", None)
         if core is None or not hasattr(core, "walk_for_kv_canary"):
             empty = torch.empty(0, dtype=torch.int64)
             return Walk(empty, empty, 0, self._tree.generation)
-        return self._tree.walk(core)
+        if self._tp == 1:
+            return self._tree.walk(core)
+        w = self._tree.walk(core, pin_below=False)
+        order = torch.argsort(w.pages)
+        return Walk(w.pages[order], w.pins[order], w.unnamed, w.generation)
 
     def _page_shape(self) -> tuple[int, ...]:
         k = self._k[0]
@@ -88,6 +123,13 @@ class Capturer(WorkerService):
         for d in self._page_shape():
             n *= d
         return n * self._k[0].element_size()
+
+    def _stored_shape(self) -> tuple[int, ...]:
+        """A stored page: every KV head of the model (``ckpt/FORMAT.md``), whatever this rank holds."""
+        return full_shape(self._page_shape(), HEAD_AXIS, self._heads.total)
+
+    def _stored_page_bytes(self) -> int:
+        return self._page_bytes() // self._heads.count * self._heads.total
 
     def _dtype(self) -> str:
         return str(self._k[0].dtype).removeprefix("torch.")
@@ -159,7 +201,7 @@ class Capturer(WorkerService):
         parts = {"live_s": t_walk - t0, "walk_s": time.monotonic() - t_walk}
         name = partial(self._tree.keys, generation=walk.generation)
         mutable = self._mutable(live_pages, walk)
-        skip = set() if full else self.offers.durable
+        skip = set() if full else self._skip_keys()
         pages, pins = walk.pages, walk.pins
         skipped = dict.fromkeys(k for k in mutable if k in skip)
         if skip and pages.numel():  # an incremental capture: the durable tree pages are named now
@@ -226,8 +268,10 @@ class Capturer(WorkerService):
             seq = self._seq
         w0 = waiters[0]
         bound = w0.max_staging or self.max_staging
+        # sized by stored pages (every rank's heads): the staging bound holds every rank's files, and
+        # every rank cuts the same chunks
         per_chunk, ring = chunk_pages(
-            self._page_bytes(), max_staging=bound, copy_per_step=w0.copy_per_step or self.copy_per_step
+            self._stored_page_bytes(), max_staging=bound, copy_per_step=w0.copy_per_step or self.copy_per_step
         )
         info: dict[str, Any] = {
             "seq": seq,
@@ -245,16 +289,16 @@ class Capturer(WorkerService):
             "wait_s": t0 - min(w.requested for w in waiters),
         }
         self._last_plan = {"seq": seq, "pages": info["pages"], "plan_s": info["plan_s"], **parts}
-        if not prefix_only:
+        if not prefix_only and self._rank == 0:  # the ledger is rank 0's to give
             info["ledger"] = ledger_mod.make_ledger(entries, page_size=self.page_size).model_dump(by_alias=True)
         st = Stream(
             seq=seq,
-            name=f"capture-{os.getpid()}-{seq}",
+            name=f"capture-{self._stream_tag()}-{seq}",
             directory=self.staging_dir,
             info=info,
             pending=pending,
             chunk_pages=per_chunk,
-            page_bytes=self._page_bytes(),
+            page_bytes=self._stored_page_bytes(),
             max_staging=bound,
             ring=ring,
             prefix_only=prefix_only,
@@ -274,6 +318,7 @@ class Capturer(WorkerService):
         t1 = time.monotonic()
         with self.lock:
             self.stream = st
+            self._stream_opened(st)
             taken = self._take(st, max(0, per_chunk - len(mutable)))
             if taken is None:
                 return
@@ -361,12 +406,24 @@ class Capturer(WorkerService):
                 out[i, :, :, pg.valid :] = 0
         return out
 
+    def _pump_now(self, st: Stream) -> None:
+        """Issue ``st``'s next chunk now, as rank 0 decided for every rank at this step (a
+        tensor-parallel server: see :mod:`.ranks`); nothing when no page is left."""
+        with self.lock:
+            if st.last_chunk is not None:
+                return
+            t0 = time.monotonic()
+            pages = self._take(st)
+            if pages is None:
+                return
+        self._copy_chunk(st, pages, t0)
+
     def _write_chunk(self, st: Stream, k: int, pages: list[Pending], host: torch.Tensor, copy_s: float) -> None:
-        """Write chunk ``k``'s page file (a thread) and report it: chunk 0 answers the capture call."""
+        """Write this rank's page file of chunk ``k`` (a thread) and report it (:meth:`_chunk_written`)."""
         t0 = time.monotonic()
         w = staging.PageWriter(
             self.staging_dir,
-            f"{st.name}-c{k}",
+            f"{st.name}-c{k}" + (f"-r{self._rank}" if self._tp > 1 else ""),
             dtype=self._dtype(),
             page_shape=self._page_shape(),
             layers=[f"layer.{i}" for i in range(len(self._k))],
@@ -379,13 +436,12 @@ class Capturer(WorkerService):
                 for i, pg in enumerate(pages):
                     w.write(pg.key, raw[i].numpy().data)
             idx = w.commit()
-            heads = int(self._k[0].shape[1])
             rec = {
-                "rank": 0,
+                "rank": self._rank,
                 "index": str(w.index_path),
-                "head_axis": 2,
-                "total_kv_heads": heads,
-                "kv_heads": [0, heads],
+                "head_axis": HEAD_AXIS,
+                "total_kv_heads": self._heads.total,
+                "kv_heads": [self._heads.start, self._heads.count],
                 "device": str(self._k[0].device),
                 "pages_written": len(idx.keys),
                 "bytes": idx.page_bytes * len(idx.keys),
@@ -395,33 +451,45 @@ class Capturer(WorkerService):
         except Exception as exc:
             w.abort()
             log.exception("gpuckpt: writing capture %d chunk %d failed", st.seq, k)
-            rec = {"error": f"{type(exc).__name__}: {exc}"}
-        with self.lock:
-            if self.stream is not st or st.error is not None:  # ended meanwhile: nobody reads it
-                if rec.get("index"):
-                    staging.unlink_pair(rec["index"])
-                return
-            if rec.get("error"):
-                self.end_stream(st, f"chunk {k}: {rec['error']}")
-                return
-            st.report(k, rec)
-            if k == 0:
-                self.answer(st.waiters, self._first_reply(st, rec))
-                st.waiters = []
-            self.cond.notify_all()
+            rec = {"rank": self._rank, "error": f"{type(exc).__name__}: {exc}"}
+        self._chunk_written(st, k, rec)
 
-    def _first_reply(self, st: Stream, rec: dict[str, Any]) -> dict[str, Any]:
-        """The capture call's answer: the consistent point's facts and chunk 0."""
+    def _chunk_written(self, st: Stream, k: int, rec: dict[str, Any]) -> None:
+        """This rank's page file of chunk ``k`` is written (or failed)."""
+        with self.lock:
+            self._take_report(st, k, rec)
+
+    def _take_report(self, st: Stream, k: int, rec: dict[str, Any]) -> None:
+        """Rank ``rec["rank"]``'s page file of chunk ``k`` is written, or failed (lock held): once
+        every rank's is, the chunk is complete — chunk 0 answers the capture call; a failure ends
+        the stream. A file of a stream that ended meanwhile is deleted (nobody reads it)."""
+        if self.stream is not st or st.error is not None:
+            if rec.get("index"):
+                staging.unlink_pair(str(rec["index"]))
+            return
+        if not st.report(k, int(rec["rank"]), rec, self._tp):
+            return
+        if rec.get("error"):  # the stream's error now names the chunk and the rank
+            self.end_stream(st, f"chunk {k}, rank {rec['rank']}: {rec['error']}")
+            return
+        if k == 0:
+            self.answer(st.waiters, self._first_reply(st))
+            st.waiters = []
+        self.cond.notify_all()
+
+    def _first_reply(self, st: Stream) -> dict[str, Any]:
+        """The capture call's answer: the consistent point's facts and chunk 0 (every rank's file)."""
+        recs = list(st.reports[0].values())
         return {
             "ok": True,
             **st.info,
             **st.part(0),
-            "index": rec["index"],
-            "tensor_parallel_size": 1,
-            "copy_s": rec["copy_s"],
-            "write_s": rec["write_s"],
-            "bytes": rec["bytes"],
-            "pages_written": rec["pages_written"],
+            "index": st.reports[0][0]["index"],
+            "tensor_parallel_size": self._tp,
+            "copy_s": max(float(r["copy_s"]) for r in recs),
+            "write_s": max(float(r["write_s"]) for r in recs),
+            "bytes": sum(int(r["bytes"]) for r in recs),
+            "pages_written": st.reports[0][0]["pages_written"],
             "chunk_pages": st.chunk_pages,
             "max_staging_bytes": st.max_staging,
         }
@@ -451,7 +519,10 @@ class Capturer(WorkerService):
 
     def end_stream(self, st: Stream, error: str | None) -> None:
         """Close a capture stream (lock held): its locks go to the next boundary's release; with
-        ``error``, delete what it staged and tell whoever waits for it."""
+        ``error``, delete what it staged and tell whoever waits for it. Ending it again does nothing."""
+        if st.ended:
+            return
+        st.ended = True
         if error is not None:
             st.error = st.error or error
             for path in st.files():
@@ -459,7 +530,8 @@ class Capturer(WorkerService):
             self.answer(st.waiters, {"ok": False, "error": f"capture {st.seq} failed: {st.error}"})
             log.warning("gpuckpt: capture %d ended: %s", st.seq, st.error)
         st.waiters = []
-        self._unpin.extend(st.take_pins())
+        if not self._keeps_pins(st):
+            self._unpin.extend(st.take_pins())
         self.last_stream = {"seq": st.seq, "error": st.error, **st.summary()}
         if self.stream is st:
             self.stream = None

@@ -8,6 +8,7 @@ from typing import Any
 import sglang
 import torch
 
+from agent.engines.shards import Heads
 from ckpt import ABSENT, fingerprint
 from ckpt.pins import GPU_FACTS
 
@@ -17,15 +18,29 @@ __all__ = ["HASH_SCHEME", "describe"]
 HASH_SCHEME = "sglang-storage-sha256/sglang-cache-namespace-v1"
 
 
-def describe(server_args: Any, k: list[torch.Tensor], page_size: int, tp: int, pp: int) -> dict[str, Any]:
-    """The server's pins, layout and namespace fields (see :class:`agent.engines.base.WorkerDescription`)."""
+def describe(
+    server_args: Any,
+    k: list[torch.Tensor],
+    page_size: int,
+    tp: int,
+    pp: int,
+    heads_of_rank: Heads | None = None,
+    not_carried: str | None = None,
+) -> dict[str, Any]:
+    """The server's pins, layout and namespace fields (see :class:`agent.engines.base.WorkerDescription`).
+
+    Described by rank 0 for every rank: ``num_kv_heads`` is the model's total (a stored page holds
+    every head, whatever TP size took it: :mod:`agent.engines.shards`), so the namespace and the
+    pins are the same at every TP size; ``tensor_parallel_size`` is recorded, not compared.
+    ``not_carried``: why the linker refuses this server's KV (a restore into it replays cold,
+    naming it)."""
     model = str(getattr(server_args, "model_path", "") or "")
     tok = str(getattr(server_args, "tokenizer_path", None) or model)
     model_digest = fingerprint.model_digest(model) if os.path.isdir(model) else None
     tokenizer_digest = fingerprint.tokenizer_digest(tok) if os.path.isdir(tok) else None
     backend = getattr(server_args, "attention_backend", None)
     device = str(k[0].device.type) if k else str(getattr(server_args, "device", None))
-    heads = int(k[0].shape[1]) if k else None
+    heads = (heads_of_rank.total if heads_of_rank is not None else int(k[0].shape[1])) if k else None
     head_dim = int(k[0].shape[2]) if k else None
     dtype = str(k[0].dtype).removeprefix("torch.") if k else None
     layout = f"sglang:{device}:{backend}:mha:[slot,kv_heads,head_dim]:k{head_dim}+v{head_dim}" if k else None
@@ -67,6 +82,13 @@ def describe(server_args: Any, k: list[torch.Tensor], page_size: int, tp: int, p
         "tensor_parallel_size": tp,
         "page": "one page across all layers, layer-major: [layers, 2 (K, V), page_size, kv_heads, head_dim]",
     }
+    if heads_of_rank is not None and heads is not None:
+        # which rank holds which heads (SGLang's rule, the one agent.engines.shards states)
+        layout_doc["ranks"] = [
+            {"rank": r, "kv_heads": [r * heads // tp, heads_of_rank.count], "device": device} for r in range(tp)
+        ]
+    if not_carried:
+        layout_doc["kv_not_carried"] = not_carried
     ns = {
         "engine": "sglang",
         "model": model_digest or f"path:{model}",

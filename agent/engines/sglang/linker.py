@@ -90,6 +90,7 @@ a linker).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import sys
@@ -107,11 +108,13 @@ from agent.engines import staging
 from agent.engines.protocol import Keys
 from agent.engines.service import Reply, Waiter, WorkerService, guard
 from agent.engines.sglang import state
-from agent.engines.sglang.capture import STREAM_IDLE_S, Capturer
+from agent.engines.sglang.capture import HEAD_AXIS, STREAM_IDLE_S
 from agent.engines.sglang.describe import describe
+from agent.engines.sglang.ranks import TensorParallel
 from agent.engines.sglang.state import page_keys, tail_key
 from agent.engines.sglang.stream import Pin, Stream
 from agent.engines.sglang.tree import TreeIndex
+from agent.engines.shards import Heads, ShardError, local_heads
 from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING
 from agent.fs import Trust
 
@@ -145,7 +148,26 @@ def _offered_node() -> int | None:
     return None
 
 
-class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
+def _ranks() -> tuple[int, int]:
+    """This scheduler's tensor-parallel rank and the rank of its pipeline stage or data-parallel
+    replica (0 for both in the one scheduler that serves the control socket), from SGLang's
+    parallel context (set before the cache is built); ``(0, 0)`` without one (a linker hosted on
+    bare pools)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        tp_rank = int(p.tp_rank)
+    except Exception:
+        return 0, 0
+    other = 0
+    for name in ("pp_rank", "dp_rank"):
+        with contextlib.suppress(Exception):  # not published in this process: one stage, one replica
+            other = max(other, int(getattr(p, name) or 0))
+    return tp_rank, other
+
+
+class GpuckptLinker(UnifiedCacheLinker, TensorParallel):  # type: ignore[misc]
     """See the module docstring. Constructed by SGLang's linker factory (``backend=dynamic``)."""
 
     def __init__(
@@ -180,17 +202,17 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
             self._v: list[torch.Tensor] = []
         else:
             self._k, self._v = list(k), list(v)
+        self._scheduler = _find_scheduler()
         self._tp = int(getattr(server_args, "tp_size", 1) or 1)
         self._pp = int(getattr(server_args, "pp_size", 1) or 1)
-        if self._disabled is None and (self._tp > 1 or self._pp > 1):
-            self._disabled = (
-                f"gpuckpt's SGLang linker captures and restores single-GPU servers only "
-                f"(this one runs tp_size={self._tp}, pp_size={self._pp}); checkpoint it with vLLM, "
-                "or run SGLang with --tp-size 1 --pp-size 1"
-            )
-            log.warning("gpuckpt: %s; captures will be refused", self._disabled)
+        self._rank, elsewhere = _ranks()
+        count = int(self._k[0].shape[1]) if self._k else 1
+        self._heads = Heads(0, count, count)
+        if self._disabled is None:
+            self._disabled = self._refusal(server_args, count)
+        if self._disabled is not None:
+            log.warning("gpuckpt: %s; captures will be refused and restores replayed cold", self._disabled)
         self.layer_done_counter = LayerWiseLoadCounter(max(1, len(self._k)))
-        self._scheduler = _find_scheduler()
         self.max_staging = int(extra.get("max_staging_bytes") or DEFAULT_MAX_STAGING)
         self.copy_per_step = int(extra.get("copy_bytes_per_step") or DEFAULT_COPY_PER_STEP)
         self._tree = TreeIndex(self.page_size)
@@ -208,9 +230,44 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         self._hook_s = 0.0
         self._offers = 0
         sock = extra.get("control_socket")
-        if sock:
+        self._init_ranks(str(sock) if sock else None)
+        if sock and self._rank == 0 and not elsewhere:  # the other ranks are reached through rank 0
             self.serve(str(sock))
-        log.info("gpuckpt: linker loaded (page size %d, control socket %s)", self.page_size, sock)
+            self._serve_ranks()
+        log.info(
+            "gpuckpt: linker loaded (page size %d, rank %d of %d, KV heads %s, control socket %s)",
+            self.page_size,
+            self._rank,
+            self._tp,
+            self._heads.as_tuple(),
+            sock if self._rank == 0 else f"{sock} (through rank 0)",
+        )
+
+    def _refusal(self, server_args: Any, count: int) -> str | None:
+        """Why this server's KV cannot be captured or restored (named), or None; sets the heads."""
+        if self._pp > 1:
+            return (
+                f"gpuckpt's SGLang linker does not carry pipeline-parallel servers (this one runs "
+                f"pp_size={self._pp}: each stage holds other layers); run SGLang with --pp-size 1"
+            )
+        dp = int(getattr(server_args, "dp_size", 1) or 1)
+        if dp > 1 or getattr(server_args, "enable_dp_attention", False):
+            return (
+                f"gpuckpt's SGLang linker does not carry data-parallel servers (dp_size={dp}, "
+                f"dp attention {bool(getattr(server_args, 'enable_dp_attention', False))}): their "
+                "schedulers are not one group in step; run one server per replica"
+            )
+        total = count
+        if self._tp > 1:
+            mc = getattr(self._scheduler, "model_config", None)
+            if mc is None or not hasattr(mc, "get_total_num_kv_heads"):
+                return "tensor parallel: the scheduler's model config (its total KV heads) is out of reach"
+            total = int(mc.get_total_num_kv_heads())
+        try:
+            self._heads = local_heads(self._rank, self._tp, total, count)
+        except ShardError as exc:
+            return f"tensor parallel: the KV heads cannot be split as gpuckpt splits them: {exc}"
+        return None
 
     # ------------------------------------------------------------------ engine state
 
@@ -231,11 +288,15 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
 
     def _boundary(self) -> None:
         """Once per scheduler loop iteration, on the scheduler thread. Idle (no capture, wait,
-        stream or file to delete), it reads a few fields and returns."""
+        stream or file to delete), it reads a few fields and returns. A tensor-parallel server's
+        ranks act on rank 0's step notes instead (:mod:`.ranks`)."""
         self._step += 1
         if self.retired:
             with self.lock:
                 self._retire()
+        if self._ranked:
+            self._ranked_boundary()
+            return
         if self._unpin:
             self._release_pins()
         st = self.stream
@@ -277,7 +338,7 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         """The prefix lengths (pages) whose every page key is offered: ``[1, …, n]``."""
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
-        if kv is None or not kv.keys or not self.offers.keys:
+        if kv is None or not kv.keys or not self.offers.keys or self._disabled:
             return []
         self._lookups += 1
         offer = self.offers.keys  # replaced, never mutated: a consistent snapshot
@@ -286,6 +347,8 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
             if bytes.fromhex(kh) not in offer:
                 break
             n += 1
+        if self._tp > 1 and n:
+            self._remember_hit(rid, list(kv.keys[:n]), offer)
         return list(range(1, n + 1))
 
     def _refuse(self, *args: Any, **kwargs: Any) -> bool:
@@ -297,7 +360,9 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is None or kv.device_indices is None or not kv.keys:
             return False
-        offer = self.offers.keys
+        # what this request's lookup saw (every rank answers as its lookup did), else the offer now
+        seen = self._hits.pop(rid, None) if self._tp > 1 else None
+        offer = seen if seen is not None else self.offers.keys
         plan: list[tuple[str, bytes]] = []
         for kh in kv.keys:
             kb = bytes.fromhex(kh)
@@ -332,7 +397,11 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         return index
 
     def _load(self, pending: dict[str, tuple[torch.Tensor, list[tuple[str, bytes]]]]) -> None:
+        """Copy each request's offered pages into its slots: this rank's heads of each stored page
+        (which holds every head, whatever TP size wrote it)."""
         shape = self._page_shape()
+        stored = self._stored_shape()
+        heads = self._heads
         dtype = self._k[0].dtype
         device = self._k[0].device
         for rid, (slots, plan) in pending.items():
@@ -345,7 +414,10 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
                     files.append(pf)
                 raw = [bytes(pf.page(kb)) for pf, (_, kb) in zip(files, plan, strict=True)]
             host = torch.frombuffer(bytearray(b"".join(raw)), dtype=torch.uint8).view(dtype)
-            pages = host.view(len(plan), *shape).to(device)
+            pages = host.view(len(plan), *stored)
+            if heads.count != heads.total:  # [pages, layers, 2, page, heads, head_dim]
+                pages = pages.narrow(1 + 1 + HEAD_AXIS, heads.start, heads.count)
+            pages = pages.to(device)
             idx = slots.to(device=device, dtype=torch.int64)
             for layer, (k, v) in enumerate(zip(self._k, self._v, strict=True)):
                 k[idx] = pages[:, layer, 0].reshape(-1, *shape[3:])
@@ -402,29 +474,30 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
         with self.lock:
             if self.stream is not None:
                 self.end_stream(self.stream, "the server flushed its cache")
-        self._release_pins()
+        self._release_all_pins()  # every rank flushes at this step: every rank releases now
         self._tree.clear()
 
     @guard(lambda self: None)
     def close(self) -> None:
         self.close_server()
+        self._close_ranks()
         with self.lock:
             if self.stream is not None:
                 self.end_stream(self.stream, "the server is shutting down")
             self.end_offer()
             self._retire()
-        self._release_pins()
+        self._release_all_pins()
 
     # ------------------------------------------------------------------ the control protocol (control threads)
 
     def describe_worker(self) -> dict[str, Any]:
-        return describe(self._server_args, self._k, self.page_size, self._tp, self._pp)
+        return describe(self._server_args, self._k, self.page_size, self._tp, self._pp, self._heads, self._disabled)
 
     def waiting_for(self, w: Waiter) -> str:
         return f"waiting for {w.when}" if w.when else "is the scheduler paused?"
 
     def check_page_file(self, pf: staging.PageFile) -> None:
-        want = (self._dtype(), self._page_shape()) if self._k else None
+        want = (self._dtype(), self._stored_shape()) if self._k else None
         got = (pf.index.dtype, tuple(pf.index.page_shape))
         if got != want:
             raise staging.PageFileError(f"offered pages are {got}, this server's are {want}")
@@ -465,4 +538,6 @@ class GpuckptLinker(UnifiedCacheLinker, Capturer):  # type: ignore[misc]
             "pins_to_release": len(self._unpin),
             "last_plan": dict(self._last_plan),
             "disabled": self._disabled,
+            "tensor_parallel_size": self._tp,
+            "kv_heads": list(self._heads.as_tuple()),
         }

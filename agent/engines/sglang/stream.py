@@ -26,7 +26,9 @@ is copied once; the page left out still counts off its pin.
 The pinned pages follow ``chunk_pages`` at a time, at most ``ring`` chunks
 staged at once (written, being written or not yet acknowledged by the
 agent): that is the backpressure. Chunk files are written off the scheduler
-thread; a chunk is reported complete when its file is.
+thread; a chunk is reported complete when its file is — on a tensor-parallel
+server, when every rank's file of it is (each rank writes its own heads of
+the same pages, :mod:`.ranks`).
 
 A stream with no word from the agent for ``idle_timeout`` seconds is
 abandoned (a killed agent): its staged chunks are deleted.
@@ -42,6 +44,7 @@ from typing import Any, NamedTuple
 from agent.engines.streams import StreamBook
 
 __all__ = ["Pending", "Pin", "Planned", "Stream"]
+
 
 class Pending(NamedTuple):
     """A page to copy: its key, its page number in the KV pools (slots ``page·p … page·p + p - 1``),
@@ -99,7 +102,8 @@ class Stream(StreamBook):
     pins: dict[int, Pin] = field(default_factory=dict)  # node → its lock, pages it still holds
     seen: set[bytes] = field(default_factory=set)  # keys taken (chunk 0's included): copied once
     dropped: list[Pending] = field(default_factory=list)  # taken pages whose key was taken before
-    reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # chunk → its page file's report
+    reports: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # chunk → rank → report
+    ended: bool = False  # the linker closed it (its locks are released or announced)
 
     def has_pending(self) -> bool:
         return bool(self.pending)
@@ -143,21 +147,28 @@ class Stream(StreamBook):
 
     # -- the writer threads --
 
-    def report(self, chunk: int, rec: dict[str, Any]) -> None:
-        """Chunk ``chunk``'s page file is written (or failed: ``rec["error"]``)."""
-        self.reports[chunk] = rec
+    def report(self, chunk: int, rank: int, rec: dict[str, Any], tp: int = 1) -> bool:
+        """Rank ``rank``'s page file of chunk ``chunk`` is written (or failed: ``rec["error"]``);
+        True when the chunk is complete (every one of the ``tp`` ranks' files) or failed. Chunk 0
+        is not handed out: it answers the capture call itself."""
+        got = self.reports.setdefault(chunk, {})
+        got[rank] = rec
         if rec.get("error"):
-            self.error = self.error or f"chunk {chunk}: {rec['error']}"
-            return
-        self.written_out(chunk)
-        if chunk > 0:  # chunk 0 answers the capture call itself
+            self.error = self.error or f"chunk {chunk}, rank {rank}: {rec['error']}"
+            return True
+        if len(got) < tp:
+            return False
+        self.written_out(chunk, max(float(d.get("copy_s", 0.0)) for d in got.values()))
+        if chunk > 0:
             self.complete.append(chunk)
+        return True
 
     # -- the control threads --
 
     def part(self, k: int) -> dict[str, Any]:
-        """Chunk ``k`` as a reply part."""
-        return {"chunk": k, "shards": [dict(self.reports[k])], "last": k == self.last_chunk, "lost": []}
+        """Chunk ``k`` as a reply part: every rank's page file, by rank."""
+        shards = [dict(self.reports[k][r]) for r in sorted(self.reports[k])]
+        return {"chunk": k, "shards": shards, "last": k == self.last_chunk, "lost": []}
 
     def hand_out(self) -> dict[str, Any] | None:
         """The first complete chunk not yet handed out, as a reply part, or None."""
@@ -167,5 +178,9 @@ class Stream(StreamBook):
         return {**self.part(self.complete.popleft()), "staged_peak_bytes": self.peak_staged}
 
     def files(self) -> list[str]:
-        """Every page file this stream wrote that the agent has not acknowledged."""
-        return [str(r["index"]) for k, r in self.reports.items() if k not in self.acked and r.get("index")]
+        """Every page file of this stream (any rank's) that the agent has not acknowledged."""
+        out = []
+        for k, ranks in self.reports.items():
+            if k not in self.acked:
+                out += [str(r["index"]) for r in ranks.values() if r.get("index")]
+        return out

@@ -107,9 +107,10 @@ class TreeIndex:
         except KeyError as exc:
             raise LookupError(f"pool page {exc.args[0]} lost its name since the walk") from None
 
-    def walk(self, core: Any) -> Walk:
+    def walk(self, core: Any, *, pin_below: bool = True) -> Walk:
         """Every named full device page of ``core``'s tree (a tree core's ``walk_for_kv_canary``),
-        each with the node whose lock holds it: its own, else one below it."""
+        each with the node whose lock holds it: its own, else one below it (else, or without
+        ``pin_below``, :data:`NO_NODE`)."""
         p = self.page_size
         w = core.walk_for_kv_canary(False, False)
         pos = w.positions
@@ -123,7 +124,7 @@ class TreeIndex:
         own = self.nodes[pages]
         pins = own.clone()
         orphans = (own == NO_NODE).nonzero().flatten()  # named, no node of its own: one below
-        if orphans.numel():
+        if orphans.numel() and pin_below:
             pins[orphans] = _pin_below(own, depth, orphans)
         named = own != UNNAMED
         return Walk(pages[named], pins[named], int((~named).sum()), self.generation)
