@@ -8,7 +8,7 @@ from typing import Any
 import sglang
 import torch
 
-from agent.engines.shards import Heads
+from agent.engines.shards import Heads, local_heads
 from ckpt import ABSENT, fingerprint
 from ckpt.pins import GPU_FACTS
 
@@ -82,10 +82,11 @@ def describe(
         "tensor_parallel_size": tp,
         "page": "one page across all layers, layer-major: [layers, 2 (K, V), page_size, kv_heads, head_dim]",
     }
-    if heads_of_rank is not None and heads is not None:
+    if heads_of_rank is not None and heads is not None and not not_carried:
         # which rank holds which heads (SGLang's rule, the one agent.engines.shards states)
         layout_doc["ranks"] = [
-            {"rank": r, "kv_heads": [r * heads // tp, heads_of_rank.count], "device": device} for r in range(tp)
+            {"rank": r, "kv_heads": [local_heads(r, tp, heads, heads_of_rank.count).start, heads_of_rank.count]}
+            for r in range(tp)
         ]
     if not_carried:
         layout_doc["kv_not_carried"] = not_carried

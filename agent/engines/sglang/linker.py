@@ -82,10 +82,15 @@ Never harm the server: every linker method and command runs under
 :func:`agent.engines.service.guard`; an exception is logged and answered safely (no hit, no load,
 an error reply). ``offload`` returns False: nothing is written through.
 
-Limits: MHA KV pools (``MHATokenToKVPool``: ``k_buffer``/``v_buffer``), TP =
-PP = 1, no overlap scheduling (CPU turns it off; on a GPU run with
-``--disable-overlap-schedule``), no HiCache (SGLang does not combine it with
-a linker).
+Tensor parallelism: every rank's scheduler has a linker; rank 0's serves
+the control socket, and every rank copies (and loads) its own KV heads of
+the same pages at the same step, kept in step by rank 0's notes on SGLang's
+own request broadcast (:mod:`.ranks`).
+
+Limits: MHA KV pools (``MHATokenToKVPool``: ``k_buffer``/``v_buffer``), PP =
+1 and no data parallelism (refused by name), no overlap scheduling (CPU
+turns it off; on a GPU run with ``--disable-overlap-schedule``), no HiCache
+(SGLang does not combine it with a linker).
 """
 
 from __future__ import annotations

@@ -66,11 +66,13 @@ Restore needs no more: SGLang's linker wrapper already reduces every rank's
 rank's verdict (``UnifiedCacheLinkerWrapper.match`` / ``finish_loads``); a
 rank's ``load`` answers from what its own ``lookup`` saw, so all agree.
 
-Limits: no pipeline parallelism, data-parallel attention or
-``--scheduler-recv-interval`` > 1 (refused by name at start: their request
-broadcast is not this one). A copy that fails on one rank only ends the
-stream on every rank, but that rank's locks may be released a few steps
-before the others'.
+An iteration whose receive SGLang skips (``--scheduler-recv-interval``)
+broadcasts nothing: rank 0 sends its note again with the next one.
+
+Limits: no pipeline or data parallelism (refused by name at start: each
+stage holds other layers, and the replicas are not one group in step). A
+copy that fails on one rank only ends the stream on every rank, but that
+rank's locks may be released a few steps before the others'.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -211,6 +214,8 @@ class TensorParallel(Capturer):
         self._early: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # seq → rank reports before its stream
         self._rank_server: control.ControlServer | None = None
         self._hits: dict[str, dict[bytes, str]] = {}  # rid → the offered keys its last lookup saw
+        self._told = False  # ending a stream because rank 0 said so (not to be told back)
+        self._sending: list[dict[str, Any]] = []  # the operations of the note on its way out
 
     @property
     def _ranked(self) -> bool:
@@ -251,7 +256,10 @@ class TensorParallel(Capturer):
         sched.request_receiver = self._relay
 
     def _note_out(self) -> str | None:
-        """Rank 0, the scheduler thread, before this iteration's broadcast: the note for every rank."""
+        """Rank 0, the scheduler thread, before this iteration's broadcast: the note for every rank.
+        Idle (nothing to announce, no stream), it reads five fields and returns."""
+        if not (self._mirror or self._outbox_captures or self._outbox or self._carry or self._unpin_sent):
+            return None
         with self.lock:
             ops = self._carry
             self._carry = []
@@ -296,12 +304,13 @@ class TensorParallel(Capturer):
             st = self.stream
             if st is not None and st.seq in self._mirror and st.can_issue():
                 ops.append({"op": "pump", "seq": st.seq})
+            self._sending = ops
         return encode_note(ops) if ops else None
 
     def _note_sent(self, note: str, out: bool) -> None:
         """Whether rank 0's note went out; one that did not is sent again (less its pump)."""
-        ops = decode_note(note) or []
         with self.lock:
+            ops, self._sending = self._sending, []
             if out:
                 self._offers_sent += sum(1 for op in ops if op["op"] == "offer")
                 self.cond.notify_all()
@@ -447,7 +456,20 @@ class TensorParallel(Capturer):
         with self.lock:
             st = self.stream
             if st is not None and st.seq == seq:
-                self.end_stream(st, why)
+                self._told = True
+                try:
+                    self.end_stream(st, why)
+                finally:
+                    self._told = False
+
+    def end_stream(self, st: Stream, error: str | None) -> None:
+        """A rank other than 0 whose stream fails on its own (a copy off its pools) tells rank 0,
+        which ends it on every rank (lock held: told from a thread)."""
+        tell = self._ranked and not self._leads and error is not None and not st.ended and not self._told
+        super().end_stream(st, error)
+        if tell:
+            msg = {"seq": st.seq, "chunk": -1, "rec": {"rank": self._rank, "error": error}}
+            threading.Thread(target=self._report_to_leader, args=(msg,), daemon=True).start()
 
     # ------------------------------------------------------------------ what the leader changes
 
