@@ -91,22 +91,29 @@ def time_hooks() -> dict[str, float]:
     return spent
 
 
-def run_one(
-    model: str, connector: bool, requests: int, tokens: int, sock: str, hooks: bool = False
-) -> dict[str, float]:
-    """One engine, one timed batch (in this process)."""
+#: the measured configurations: no connector; a connector that does nothing (what vLLM's own
+#: connector machinery costs, :mod:`noop_connector`); gpuckpt's
+CONFIGS = ("without", "noop", "with")
+
+
+def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hooks: bool = False) -> dict[str, float]:
+    """One engine (``config``: one of :data:`CONFIGS`), one timed batch (in this process)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     spent = time_hooks() if hooks else None
     kw: dict[str, object] = {}
-    if connector:
+    if config == "with":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="GpuckptConnector",
             kv_role="kv_both",
             kv_connector_module_path="agent.engines.vllm.connector",
             kv_connector_extra_config={"control_socket": sock},
             kv_load_failure_policy="recompute",
+        )
+    elif config == "noop":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_role="kv_both", kv_connector_module_path="noop_connector"
         )
     llm = LLM(
         model=model,
@@ -142,6 +149,9 @@ def run_one(
     }
 
 
+LABEL = {"without": "no connector", "noop": "no-op connector", "with": "gpuckpt"}
+
+
 def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, str]:
     """Run one measured engine in a process group of its own; read its output until the result
     line (vLLM's engine processes keep the pipes open after the client exits), then kill the group."""
@@ -168,14 +178,13 @@ def main() -> None:
     ap.add_argument("--models", default="dense,sliding", help="comma-separated: dense, sliding")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--child", choices=["with", "without", "hooks"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=[*CONFIGS, "hooks"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         with tempfile.TemporaryDirectory(prefix="gpo-", dir="/tmp") as d:
-            r = run_one(
-                a.model, a.child != "without", a.requests, a.tokens, os.path.join(d, "c.sock"), a.child == "hooks"
-            )
+            config = "with" if a.child == "hooks" else a.child
+            r = run_one(a.model, config, a.requests, a.tokens, os.path.join(d, "c.sock"), a.child == "hooks")
         print("RESULT " + json.dumps(r), flush=True)
         os._exit(0)  # vLLM's engine process can hold a clean exit up (multiprocessing's join at exit)
     root = Path(os.environ.get("GPUCKPT_BENCH_MODELS", Path(tempfile.gettempdir()) / "gpuckpt-bench-models"))
@@ -183,13 +192,13 @@ def main() -> None:
         "dense": lambda: make_model(root, layers=2, hidden=256, heads=4, kv_heads=2, vocab=512, dtype="float32"),
         "sliding": lambda: make_sliding_model(root),
     }
-    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
     summary = []
     for name in a.models.split(","):
         model = models[name]()
-        results: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
+        results: dict[str, list[dict[str, float]]] = {c: [] for c in CONFIGS}
         for rnd in range(a.rounds):
-            order = ["without", "with"] if rnd % 2 == 0 else ["with", "without"]
+            order = list(CONFIGS) if rnd % 2 == 0 else list(reversed(CONFIGS))
             for cfg in order:
                 cmd = [sys.executable, __file__, "--child", cfg, "--model", str(model)]
                 cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
@@ -200,7 +209,7 @@ def main() -> None:
                 r = json.loads(line.removeprefix("RESULT "))
                 results[cfg].append(r)
                 print(
-                    f"{name} round {rnd + 1} {cfg:>7} gpuckpt: {r['tokens_per_s']:8.1f} tok/s  "
+                    f"{name} round {rnd + 1} {LABEL[cfg]:>18}: {r['tokens_per_s']:8.1f} tok/s  "
                     f"{r['ms_per_step']:6.2f} ms/step  {r['tokens_per_cpu_s']:8.1f} tok/CPU-s  "
                     f"{r['num_gpu_blocks']:.0f} KV blocks"
                     + ("  (hybrid KV cache manager OFF)" if r["hybrid_manager_off"] else ""),
@@ -210,6 +219,13 @@ def main() -> None:
         ratios = [w["tokens_per_s"] / wo["tokens_per_s"] for w, wo in pairs]
         cpu_ratios = [w["tokens_per_cpu_s"] / wo["tokens_per_cpu_s"] for w, wo in pairs]
         extra = [w["ms_per_step"] - wo["ms_per_step"] for w, wo in pairs]
+        # vLLM's own cost of a connector (noop ÷ without), and gpuckpt's beyond it (with ÷ noop)
+        vllm_share = [
+            n["tokens_per_s"] / wo["tokens_per_s"] for n, wo in zip(results["noop"], results["without"], strict=True)
+        ]
+        own_share = [
+            w["tokens_per_s"] / n["tokens_per_s"] for w, n in zip(results["with"], results["noop"], strict=True)
+        ]
         cap = results["with"][0]["num_gpu_blocks"] / results["without"][0]["num_gpu_blocks"]
         # the connector's own time, every hook timed, the engine in one process (the steadiest figure)
         cmd = [sys.executable, __file__, "--child", "hooks", "--model", str(model)]
@@ -229,6 +245,13 @@ def main() -> None:
             + f"); tokens per CPU second with ÷ without = {statistics.median(cpu_ratios):.3f} (rounds: "
             + ", ".join(f"{x:.3f}" for x in cpu_ratios)
             + f"); {statistics.median(extra):+.2f} ms per engine step; {own}; KV capacity with ÷ without = {cap:.2f}"
+        )
+        summary.append(
+            f"{name}: of which vLLM's own connector machinery (a no-op connector ÷ without) = "
+            f"{statistics.median(vllm_share):.3f} (rounds: "
+            + ", ".join(f"{x:.3f}" for x in vllm_share)
+            + f"); gpuckpt beyond it (gpuckpt ÷ the no-op connector) = {statistics.median(own_share):.3f} "
+            "(rounds: " + ", ".join(f"{x:.3f}" for x in own_share) + ")"
         )
     print()
     for line in summary:
