@@ -71,24 +71,44 @@ HOOKS = (
 )
 
 
-def time_hooks() -> dict[str, float]:
+def _timed(
+    fn: Callable[..., object], name: str, spent: dict[str, float], calls: dict[str, int]
+) -> Callable[..., object]:
+    def timed(*args: object, **kwargs: object) -> object:
+        t = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.thread_time() - t
+            calls[name] = calls.get(name, 0) + 1
+
+    return timed
+
+
+def timer_cost() -> float:
+    """Seconds the timer itself adds to one timed call (what a timed empty function measures)."""
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    empty = _timed(lambda: None, "empty", spent, calls)
+    for _ in range(20_000):
+        empty()
+    return spent["empty"] / calls["empty"]
+
+
+def time_hooks() -> tuple[dict[str, float], dict[str, int]]:
     """Wrap every hook of gpuckpt's connector with a timer (the engine must run in this process:
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); returns the running totals in seconds, by hook."""
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); returns the running totals in seconds and the calls, by
+    hook. The timer is the calling thread's CPU time: wall time would also count another thread
+    holding the GIL while a hook waits for it (vLLM's own threads, other processes on a shared
+    host) — tens of microseconds a step that are not the hook's. What the timer itself costs is
+    taken off (:func:`timer_cost`): about a microsecond a call, and vLLM calls two hooks a layer."""
     from agent.engines.vllm import connector
 
     spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for name in HOOKS:
-        fn = getattr(connector.GpuckptConnector, name)
-
-        def timed(*args: object, _fn: Callable[..., object] = fn, _name: str = name, **kwargs: object) -> object:
-            t = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
-
-        setattr(connector.GpuckptConnector, name, timed)
-    return spent
+        setattr(connector.GpuckptConnector, name, _timed(getattr(connector.GpuckptConnector, name), name, spent, calls))
+    return spent, calls
 
 
 #: the measured configurations: no connector; a connector that does nothing (what vLLM's own
@@ -96,12 +116,19 @@ def time_hooks() -> dict[str, float]:
 CONFIGS = ("without", "noop", "with")
 
 
+def hook_figures(spent: dict[str, float], calls: dict[str, int], steps: int) -> dict[str, float]:
+    """µs a step by hook, the timer's own cost taken off, and their sum."""
+    cost = timer_cost()
+    own = {k: max(0.0, v - calls.get(k, 0) * cost) * 1e6 / steps for k, v in spent.items()}
+    return {"hooks_us_per_step": sum(own.values()), **{f"hook_us:{k}": v for k, v in own.items()}}
+
+
 def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hooks: bool = False) -> dict[str, float]:
     """One engine (``config``: one of :data:`CONFIGS`), one timed batch (in this process)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    spent = time_hooks() if hooks else None
+    spent, calls = time_hooks() if hooks else (None, {})
     kw: dict[str, object] = {}
     if config == "with":
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -131,6 +158,7 @@ def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hook
     llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     if spent is not None:
         spent.clear()
+        calls.clear()
     c0, t0 = cpu_seconds(), time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
@@ -139,7 +167,7 @@ def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hook
     steps = tokens
     cfg = llm.llm_engine.vllm_config
     return {
-        **({"hooks_us_per_step": sum(spent.values()) * 1e6 / steps} if spent is not None else {}),
+        **(hook_figures(spent, calls, steps) if spent is not None else {}),
         "tokens_per_s": generated / dt,
         "tokens_per_cpu_s": generated / cpu,
         "ms_per_step": dt * 1000 / steps,
@@ -235,9 +263,12 @@ def main() -> None:
         if line is None:
             sys.exit(f"the {name} hooks run failed:\n{stderr[-3000:]}")
         h = json.loads(line.removeprefix("RESULT "))
+        top = sorted(((v, k.removeprefix("hook_us:")) for k, v in h.items() if k.startswith("hook_us:")), reverse=True)
         own = (
             f"gpuckpt's own hooks {h['hooks_us_per_step']:.1f} µs a step "
-            f"({h['hooks_us_per_step'] / 10 / h['ms_per_step']:.2f} % of a {h['ms_per_step']:.2f} ms step)"
+            f"({h['hooks_us_per_step'] / 10 / h['ms_per_step']:.2f} % of a {h['ms_per_step']:.2f} ms step; "
+            + ", ".join(f"{k} {v:.1f}" for v, k in top[:4])
+            + ")"
         )
         summary.append(
             f"{name}: decode throughput with ÷ without = {statistics.median(ratios):.3f} (rounds: "

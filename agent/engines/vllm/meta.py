@@ -48,7 +48,9 @@ class GpuckptMeta(KVConnectorMetadata):
     sampler's view. ``fail_loads``: block ids to report as load errors.
     ``close_files``: page files of an ended offer (withdrawn, expired): close
     their mappings (the scheduler half deleted them). ``ranks_known``: every
-    rank's report is in (the ranks stop sending it).
+    rank's report is in (the ranks stop sending it). ``idle``: all of that is
+    empty and every rank's report is in — the step has nothing of gpuckpt's
+    (the worker half returns at once).
     """
 
     loads: list[tuple[int, str, str]] = field(default_factory=list)
@@ -60,6 +62,7 @@ class GpuckptMeta(KVConnectorMetadata):
     fail_loads: list[int] = field(default_factory=list)
     close_files: list[str] = field(default_factory=list)
     ranks_known: bool = False
+    idle: bool = False
 
 
 @dataclass

@@ -91,7 +91,7 @@ class SchedulerHalf(VllmService):
         self.tails_inflight: set[str] = set()
         self.gen_loads: list[tuple[str, str]] = []
         self.prior_loads: list[tuple[str, list[int]]] = []
-        self.idle_meta = GpuckptMeta(ranks_known=True)  # what an idle step sends (see build_connector_meta)
+        self.idle_meta = GpuckptMeta(ranks_known=True, idle=True)  # what an idle step sends (see build_connector_meta)
 
     # ------------------------------------------------------------------ binding
 

@@ -220,6 +220,11 @@ class WorkerHalf:
     def start_load_kv(self, meta: Any) -> None:
         if not isinstance(meta, GpuckptMeta):
             return
+        if meta.idle:  # nothing of gpuckpt's this step (the idle worker's whole cost)
+            self.report = None
+            if self.priors:
+                self.refresh_priors()
+            return
         if meta.ranks_known:
             self.report = None
         self.load_errors.update(meta.fail_loads)
@@ -308,7 +313,7 @@ class WorkerHalf:
                 self.finish_capture(meta.capture, {"error": "the worker's copy failed (see its log)"})
 
     def wait_for_save(self, meta: Any) -> None:
-        if not isinstance(meta, GpuckptMeta):
+        if not isinstance(meta, GpuckptMeta) or meta.idle:
             return
         for key_hex, block_id, rid in meta.tails:  # before the capture, which includes them
             try:
