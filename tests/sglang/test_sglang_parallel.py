@@ -35,6 +35,7 @@ import pytest
 from agent import session
 from agent.engines.channel import WorkerChannel
 from agent.engines.control import ControlError
+from agent.engines.sglang.notes import NOTE, Relay, decode_note, encode_note
 from agent.engines.sglang.serve import Completion
 from agent.engines.types import TRUST_DOMAIN, Checkpointed, RestorePlan
 from agent.testing import SglangProcess
@@ -246,6 +247,57 @@ def test_a_tp2_server_streams_its_tree_on_every_rank(
     )
     # and the server still serves, both ranks in step
     assert server_b.client.generate([3, 4, 5, 6], 4)
+
+
+class _Receiver:
+    """SGLang's request receiver as the relay sees it: ``recv_requests`` returns what the broadcast
+    would (rank 0's pulled requests and its ``local_reqs``; on another rank, rank 0's list)."""
+
+    def __init__(self, pulled: list[Any], *, skip: bool = False, broadcast: list[Any] | None = None) -> None:
+        self.pulled, self.skip, self.broadcast = pulled, skip, broadcast
+        self.recv_limit = 7
+
+    def recv_requests(self, local_reqs: list[Any] | None = None) -> list[Any]:
+        if self.skip:  # --scheduler-recv-interval: this iteration receives nothing
+            return []
+        if self.broadcast is not None:
+            return list(self.broadcast)
+        return [*self.pulled, *(local_reqs or [])]
+
+
+def _relay(inner: _Receiver, *, leader: bool, note: list[dict[str, Any]] | None) -> tuple[Relay, dict[str, Any]]:
+    seen: dict[str, Any] = {"in": [], "sent": []}
+    relay = Relay(
+        inner,
+        leader=leader,
+        outgoing=lambda: encode_note(note) if note else None,
+        sent=lambda n, out: seen["sent"].append((decode_note(n), out)),
+        incoming=lambda ops: seen["in"].append(ops),
+    )
+    return relay, seen
+
+
+def test_rank_0s_note_rides_the_broadcast_and_no_rank_dispatches_it() -> None:
+    ops = [{"op": "pump", "seq": 3}]
+    req = object()
+    relay, seen = _relay(_Receiver([req]), leader=True, note=ops)
+    assert relay.recv_requests(local_reqs=[]) == [req]  # SGLang dispatches its own requests only
+    assert seen == {"in": [ops], "sent": [(ops, True)]}
+    assert relay.recv_limit == 7  # the rest of the receiver is SGLang's
+    other, seen1 = _relay(_Receiver([], broadcast=[encode_note(ops), req]), leader=False, note=None)
+    assert other.recv_requests() == [req]
+    assert seen1 == {"in": [ops], "sent": []}
+
+
+def test_a_note_of_a_skipped_receive_is_told_unsent_and_a_broken_note_is_dropped() -> None:
+    ops = [{"op": "release"}]
+    relay, seen = _relay(_Receiver([object()], skip=True), leader=True, note=ops)
+    assert relay.recv_requests() == []
+    assert seen["sent"] == [(ops, False)]  # rank 0 sends it again with the next one
+    req = object()
+    other, seen1 = _relay(_Receiver([], broadcast=[NOTE + "{not json", req]), leader=False, note=None)
+    assert other.recv_requests() == [req]
+    assert seen1["in"] == []
 
 
 #: Linkers hosted on bare CPU pools (no server) in one process, each built from inside a

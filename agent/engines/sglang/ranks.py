@@ -23,7 +23,7 @@ in their next collective.
 control socket, as a single-rank server's does. The other ranks serve
 nothing the agent reaches; they write their own page files into the same
 staging directory and report them to the leader over a Unix socket the
-leader serves beside its control socket (:func:`rank_socket`; JSON lines,
+leader serves beside its control socket (:func:`.notes.rank_socket`; JSON lines,
 :mod:`agent.engines.control`). A chunk is complete — handed to the agent,
 or answering the capture call for chunk 0 — when every rank's file of it is
 written: the reply lists one page file per rank (``shards``: rank, file,
@@ -32,7 +32,7 @@ stored pages holding every head (:mod:`agent.session.capture`).
 
 **Step notes.** Everything the leader decides that changes what a rank
 does at a step boundary rides SGLang's own per-iteration broadcast: the
-linker wraps the scheduler's request receiver (:class:`Relay`, installed at
+linker wraps the scheduler's request receiver (:class:`.notes.Relay`, installed at
 the first step boundary). On rank 0, before the iteration's requests are
 broadcast, the relay adds a *step note* — a string ``gpuckpt-step:`` +
 JSON — to the requests (as SGLang adds its own timeout aborts,
@@ -77,12 +77,10 @@ rank's locks may be released a few steps before the others'.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,98 +90,17 @@ from agent.engines.protocol import Offer
 from agent.engines.service import Reply, Waiter
 from agent.engines.sglang import state
 from agent.engines.sglang.capture import Capturer
+from agent.engines.sglang.notes import Relay, encode_note, rank_socket
 from agent.engines.sglang.stream import Pin, Stream
 
-__all__ = ["NOTE", "Relay", "TensorParallel", "decode_note", "encode_note", "rank_socket"]
+__all__ = ["TensorParallel"]
 
 log = logging.getLogger("gpuckpt.sglang")
 
-#: A step note's prefix: a string among SGLang's received requests that is gpuckpt's.
-NOTE = "gpuckpt-step:"
 #: How long the leader's ``offer`` waits for its note to go out to the other ranks.
 OFFER_SEND_S = 60.0
 #: Reports a rank may send for a capture the leader has not reached yet (bounded memory).
 MAX_EARLY = 256
-
-
-def encode_note(ops: list[dict[str, Any]]) -> str:
-    return NOTE + json.dumps(ops, separators=(",", ":"))
-
-
-def decode_note(item: Any) -> list[dict[str, Any]] | None:
-    """The operations of a step note, or None for anything else SGLang received."""
-    if not isinstance(item, str) or not item.startswith(NOTE):
-        return None
-    ops = json.loads(item[len(NOTE) :])
-    if not isinstance(ops, list) or not all(isinstance(op, dict) and isinstance(op.get("op"), str) for op in ops):
-        raise ValueError(f"a gpuckpt step note that is not a list of operations: {item[:200]!r}")
-    return ops
-
-
-def rank_socket(control_socket: str) -> str:
-    """Where the leader takes the other ranks' chunk reports: beside the agent's control socket."""
-    return f"{control_socket}.ranks"
-
-
-class Relay:
-    """SGLang's request receiver, with gpuckpt's step notes riding its broadcast (see the module
-    docstring). ``outgoing()`` (rank 0 only) gives the note to send or None; ``sent(note, out)``
-    says whether it went out (SGLang's receive may skip an iteration, ``--scheduler-recv-interval``);
-    ``incoming(ops)`` takes each received note's operations, on every rank. Whatever fails here
-    is logged and SGLang's requests go on as received."""
-
-    def __init__(
-        self,
-        inner: Any,
-        *,
-        leader: bool,
-        outgoing: Callable[[], str | None],
-        sent: Callable[[str, bool], None],
-        incoming: Callable[[list[dict[str, Any]]], None],
-    ) -> None:
-        self.inner = inner
-        self.leader = leader
-        self._outgoing = outgoing
-        self._sent = sent
-        self._incoming = incoming
-
-    def recv_requests(self, local_reqs: list[Any] | None = None) -> list[Any]:
-        note = None
-        if self.leader:
-            try:
-                note = self._outgoing()
-            except Exception:
-                log.exception("gpuckpt: preparing a step note failed")
-        if note is not None:
-            local_reqs = [*(local_reqs or []), note]
-        reqs: list[Any] = self.inner.recv_requests(local_reqs=local_reqs)
-        if not reqs:
-            if note is not None:
-                self._sent(note, False)
-            return reqs
-        mine: list[list[dict[str, Any]]] = []
-        rest = []
-        for r in reqs:
-            try:
-                ops = decode_note(r)
-            except Exception:
-                log.exception("gpuckpt: a step note could not be read; dropped")
-                continue
-            if ops is None:
-                rest.append(r)
-            else:
-                mine.append(ops)
-        if note is not None:
-            self._sent(note, any(r is note or r == note for r in reqs))
-        for ops in mine:
-            try:
-                self._incoming(ops)
-            except Exception:
-                log.exception("gpuckpt: applying a step note failed")
-        return rest
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 class TensorParallel(Capturer):
@@ -499,7 +416,7 @@ class TensorParallel(Capturer):
     # ------------------------------------------------------------------ the other ranks' reports
 
     def _chunk_written(self, st: Stream, k: int, rec: dict[str, Any]) -> None:
-        """A rank other than 0 reports its page file to the leader (see :func:`rank_socket`)."""
+        """A rank other than 0 reports its page file to the leader (see :func:`.notes.rank_socket`)."""
         if self._leads or not self._ranked:
             super()._chunk_written(st, k, rec)
             return
