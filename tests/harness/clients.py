@@ -1,17 +1,19 @@
 """What a client of ``vllm serve`` gets, as it gets it: one OpenAI-API call (chat or completions,
 streamed or not) read into its choices' text, token ids and finish reasons; the engine's own
-count of generated tokens."""
+count of generated tokens; clients' calls run in threads, and a checkpoint taken while they run."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from agent.engines.vllm.middleware import ATTACH_HEADER
 
-__all__ = ["call", "generated"]
+__all__ = ["Calls", "call", "checkpoint_during", "generated"]
 
 
 def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1") -> dict[str, Any]:
@@ -55,3 +57,52 @@ def generated(url: str) -> float:
         if line.startswith("vllm:generation_tokens_total"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no vllm:generation_tokens_total in /metrics")
+
+
+class Calls:
+    """Clients' calls, each in a thread of its own: :meth:`start` them, :meth:`join` for their
+    results (by name; the first error a call met is raised)."""
+
+    def __init__(self, calls: dict[str, Callable[[], Any]], timeout: float = 600) -> None:
+        self.results: dict[str, Any] = {}
+        self.errors: list[BaseException] = []
+        self.timeout = timeout
+        self.threads = [threading.Thread(target=self._run, args=(k, f), name=f"client-{k}") for k, f in calls.items()]
+
+    def _run(self, k: str, f: Callable[[], Any]) -> None:
+        try:
+            self.results[k] = f()
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> dict[str, Any]:
+        for t in self.threads:
+            t.join(self.timeout)
+        assert not any(t.is_alive() for t in self.threads), "a client call did not return"
+        if self.errors:
+            raise self.errors[0]
+        return self.results
+
+
+def checkpoint_during(
+    worker: Any, calls: dict[str, Callable[[], Any]], repo: Any, *, live: int, min_outputs: int = 40, **opts: Any
+) -> tuple[Any, dict[str, Any]]:
+    """Checkpoint a worker while ``calls`` (clients' requests, ``live`` engine requests in all) run:
+    they are held to start at one step boundary, the capture is pending before any is sent and is
+    taken at the first boundary where every one has ``min_outputs`` outputs, as the engine's
+    scheduler judges it (the API server can lag the engine by hundreds of tokens on busy cores).
+    ``opts``: more checkpoint options (``canary``, ``timeout``). Returns the manifest and, once
+    every call has returned, their results."""
+    from agent import session
+
+    running = Calls(calls)
+    session.hold(worker.control_socket, live, timeout=300)
+    when = {"live": live, "min_outputs": min_outputs}
+    taken = session.checkpoint_around(
+        worker.control_socket, running.start, repo, "w0", when=when, **{"timeout": 300, **opts}
+    )
+    return taken.manifest, running.join()

@@ -13,8 +13,8 @@ original answer, token for token and character for character.
 from __future__ import annotations
 
 import random
-import threading
 from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import pytest
@@ -22,7 +22,7 @@ import pytest
 from agent import session
 from agent.engines import canary
 from ckpt import Repository
-from tests.harness.clients import call, generated
+from tests.harness.clients import Calls, call, checkpoint_during, generated
 from tests.harness.models import write_tiny_sliding
 from tests.harness.vllm import ARGS as SERVE_ARGS
 from tests.harness.vllm import serve_worker
@@ -69,56 +69,22 @@ def served(tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack) 
         # B starts while A works, on another CPU (an engine start costs ~20 s here)
         b_early = module_cleanup.enter_context(serve_worker(model, tmp, "b", ARGS, cpu=1))
         probe = canary.record(a.client.generate)
-        ref: dict[str, Any] = {}
-        errors: list[BaseException] = []
-
-        def run(k: str) -> None:
-            try:
-                ref[k] = call(a.url, k, *reqs[k])
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in reqs]
-        session.hold(a.control_socket, len(reqs), timeout=300)
-
-        def start() -> None:
-            for t in threads:
-                t.start()
-
-        when = {"live": len(reqs), "min_outputs": 40}
-        taken = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
-        for t in threads:
-            t.join(600)
-        assert not errors, errors
-        out["checkpoint"], out["reference"] = taken.manifest, ref
+        calls = {k: partial(call, a.url, k, *reqs[k]) for k in reqs}
+        m, ref = checkpoint_during(a, calls, repo, live=len(reqs), canary=probe)
+        out["checkpoint"], out["reference"] = m, ref
         a.kill()
     with b_early as b:
         b.wait_ready()
-        m = out["checkpoint"]
         plan = session.restore(
             repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate
         )
         out["plan"] = plan
         g0 = generated(b.url)
-        resumed: dict[str, Any] = {}
-        sub = threading.Thread(target=lambda: resumed.update(b.client.submit(plan.requests)))
-        sub.start()
-        retries: dict[str, Any] = {}
-
-        def retry(k: str) -> None:
-            try:
-                retries[k] = call(b.url, k, *reqs[k])
-            except BaseException as exc:
-                errors.append(exc)
-
-        rthreads = [threading.Thread(target=retry, args=(k,)) for k in reqs]
-        for t in rthreads:
-            t.start()
-        for t in rthreads:
-            t.join(600)
-        sub.join(600)
-        assert not errors, errors
-        out["retries"], out["resumed"] = retries, resumed
+        resumer = Calls({"resumed": partial(b.client.submit, plan.requests)})  # the agent's path
+        retries = Calls({k: partial(call, b.url, k, *reqs[k]) for k in reqs})  # the clients'
+        resumer.start()
+        retries.start()
+        out["retries"], out["resumed"] = retries.join(), resumer.join()["resumed"]
         out["generated"] = generated(b.url) - g0
         out["connector"] = session.stats(b.control_socket)
     return out

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
 from agent.testing import ServeProcess
 from ckpt import Repository
 from tests.harness.cli import CLI
-from tests.harness.clients import call, generated
+from tests.harness.clients import Calls, call, checkpoint_during, generated
 from tests.harness.models import CHAT_TEMPLATE
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
@@ -196,30 +197,8 @@ def retried(
         # and B is still fresh when its turn comes
         b_early = module_cleanup.enter_context(worker(model, tmp, "b", cpu=1))
         probe = canary.record(a.client.generate)
-        ref: dict[str, Any] = {}
-        errors: list[BaseException] = []
-
-        def run(k: str) -> None:
-            try:
-                endpoint, body, _ = reqs[k]
-                ref[k] = call(a.url, k, endpoint, body)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in reqs]
-        live = sum(n for _, _, n in reqs.values())
-        session.hold(a.control_socket, live, timeout=300)
-
-        def start() -> None:
-            for t in threads:
-                t.start()
-
-        when = {"live": live, "min_outputs": 40}
-        taken = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=300)
-        m = taken.manifest
-        for t in threads:
-            t.join(600)
-        assert not errors, errors
+        calls = {k: partial(call, a.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()}
+        m, ref = checkpoint_during(a, calls, repo, live=sum(n for _, _, n in reqs.values()), canary=probe)
         out["checkpoint"], out["reference"] = m, ref
         a.kill()
     with b_early as b:
@@ -229,26 +208,11 @@ def retried(
         )
         out["plan"] = plan
         g0 = generated(b.url)
-        resumed: dict[str, Any] = {}
-        sub = threading.Thread(target=lambda: resumed.update(b.client.submit(plan.requests)))
-        sub.start()
-        retries: dict[str, Any] = {}
-        rthreads = []
-        for k, (endpoint, body, _) in reqs.items():
-
-            def retry(k: str = k, endpoint: str = endpoint, body: dict[str, Any] = body) -> None:
-                try:
-                    retries[k] = call(b.url, k, endpoint, body)
-                except BaseException as exc:
-                    errors.append(exc)
-
-            rthreads.append(threading.Thread(target=retry))
-            rthreads[-1].start()
-        for t in rthreads:
-            t.join(600)
-        sub.join(600)
-        assert not errors, errors
-        out["retries"], out["resumed"] = retries, resumed
+        resumer = Calls({"resumed": partial(b.client.submit, plan.requests)})  # the agent's path
+        retries = Calls({k: partial(call, b.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()})
+        resumer.start()
+        retries.start()
+        out["retries"], out["resumed"] = retries.join(), resumer.join()["resumed"]
         out["generated"] = generated(b.url) - g0
         # a router re-issues three streams as prompt + what it had delivered (10 tokens past the checkpoint)
         entries = {e["client_request_id"]: e for e in m.ledger.data["requests"]}

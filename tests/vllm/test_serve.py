@@ -12,9 +12,9 @@ requests back through :meth:`ServeClient.submit`.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from agent import session
 from agent.engines import canary
 from agent.testing import ServeProcess
 from ckpt import Repository
+from tests.harness.clients import checkpoint_during
 from tests.harness.vllm import GREEDY, SEEDED, serve_worker
 
 pytestmark = pytest.mark.slow
@@ -50,33 +51,9 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, module_cl
         # The canary is probed before the traffic: between the moment the requests are
         # far enough and the capture, nothing may run that lets them finish first.
         probe = canary.record(a.client.generate)
-        results: dict = {}
-        errors: list[BaseException] = []
-
-        def run(k: str) -> None:
-            try:
-                results[k] = a.client.complete(prompts[k], sampling[k], request_id=k, stream=False)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
-        # All four start at one step boundary, however late the API server hands one over.
-        session.hold(a.control_socket, len(prompts), timeout=300)
-
-        def start() -> None:
-            for t in threads:
-                t.start()
-
-        # Pace by the engine, not by the streams: the API server can lag the
-        # engine by hundreds of tokens on 2 busy cores. The capture is pending
-        # before the requests are sent, and is taken at the first step boundary
-        # where every request has 40 outputs, as the engine's scheduler judges it.
-        when = {"live": len(prompts), "min_outputs": 40}
-        taken = session.checkpoint_around(a.control_socket, start, repo, "w0", canary=probe, when=when, timeout=240)
-        m = taken.manifest
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        # Paced by the engine, not by the streams (see checkpoint_during)
+        calls = {k: partial(a.client.complete, prompts[k], sampling[k], request_id=k, stream=False) for k in prompts}
+        m, results = checkpoint_during(a, calls, repo, live=len(prompts), canary=probe, timeout=240)
         out["checkpoint"] = m
         out["reference"] = {k: prompts[k] + results[k].token_ids for k in prompts}
         a.kill()  # SIGKILL to the whole group, as a preemption would
