@@ -20,10 +20,19 @@ P = 4  # page size
 
 
 def _core(rows: list[tuple[int, int, int]]) -> SimpleNamespace:
-    """A tree core whose ``walk_for_kv_canary`` answers ``rows`` of (slot, position, previous slot)."""
+    """A tree core of ``rows`` of (slot, position, previous slot), depth-first: its
+    ``walk_for_kv_canary`` answers them (and counts its calls in ``walks``), its
+    ``all_values_flatten`` their slots."""
     slots, pos, prev = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows, strict=True))
     walk = SimpleNamespace(slot_indices=slots, positions=pos, prev_slot_indices=prev)
-    return SimpleNamespace(walk_for_kv_canary=lambda unlocked_only, swa_resident_only: walk)
+    core = SimpleNamespace(walks=0, all_values_flatten=lambda: slots.clone())
+
+    def walk_for_kv_canary(unlocked_only: bool, swa_resident_only: bool) -> SimpleNamespace:
+        core.walks += 1
+        return walk
+
+    core.walk_for_kv_canary = walk_for_kv_canary
+    return core
 
 
 def _named(idx: TreeIndex, walk: Walk) -> set[tuple[str, int, int | None]]:
@@ -76,6 +85,30 @@ def test_a_page_with_no_node_takes_a_pinned_page_below_it_in_any_child_and_none_
     walk = idx.walk(_core(rows))
     assert _named(idx, walk) == {("aa", 1, 5), ("bb", 2, None), ("cc", 3, 5), ("dd", 4, None), ("ee", 6, 8)}
     assert walk.unnamed == 0
+
+
+def test_a_tree_no_restore_loaded_into_is_walked_by_node_not_slot_by_slot() -> None:
+    """Every page has the node it was offered under: the nodes' values are enough (one copy per
+    node), and SGLang's walk of every slot with its position is not taken."""
+    rows = _node(4, 0, -1, 2) + _node(20, 8, 11, 1) + _node(36, 0, -1, 1)
+    idx = TreeIndex(P)
+    idx.learn(["aa", "bb"], torch.arange(4, 12), 3)
+    idx.learn(["cc"], torch.arange(20, 24), 7)
+    idx.learn(["dd"], torch.arange(36, 40), 9)
+    core = _core(rows)
+    walk = idx.walk(core)
+    assert core.walks == 0
+    assert walk.pages.tolist() == [1, 2, 5, 9]  # depth-first, as the tree lists its nodes
+    assert _named(idx, walk) == {("aa", 1, 3), ("bb", 2, 3), ("cc", 5, 7), ("dd", 9, 9)}
+    # a page a restore loaded (no node of its own) needs the depths: the slot walk is taken for it
+    idx.learn(["ee"], torch.arange(44, 48), None)
+    core = _core(rows + _node(44, 12, 23, 1))
+    assert _named(idx, idx.walk(core)) == {("aa", 1, 3), ("bb", 2, 3), ("cc", 5, 7), ("dd", 9, 9), ("ee", 11, None)}
+    assert core.walks == 1
+    # unless no page is pinned from below (tensor parallel: such pages are copied at the consistent point)
+    core = _core(rows + _node(44, 12, 23, 1))
+    assert _named(idx, idx.walk(core, pin_below=False))
+    assert core.walks == 0
 
 
 def test_a_page_offered_again_under_a_new_node_takes_the_new_name() -> None:

@@ -2,9 +2,10 @@
 
 SGLang 0.5.23 runs its unified radix cache on a compiled tree core
 (``RustUnifiedTreeCore``, on CPU and CUDA alike). That core walks itself —
-``walk_for_kv_canary`` lists every device slot of every node, depth-first
-from each root, with its position and the slot before it on its path — but
-it hands out neither a node's token ids nor its id from a walk. What names a
+``all_values_flatten`` concatenates its nodes' device slots depth-first, and
+``walk_for_kv_canary`` lists every device slot with its position and the
+slot before it on its path — but it hands out neither a node's token ids
+nor its id from a walk. What names a
 page is its storage key (SGLang's chained page hash, the key a restore looks
 up), and the tree gives that out in one place: every node it inserts is
 offered to the external linker (``offload``, a write-through chain of the
@@ -22,9 +23,10 @@ held by the lock of the node it was offered under, or of any node below it
 gives each page such a node; a page with none is copied at the consistent
 point.
 
-Cost: the walk is tensor work (the core's walk, the index's node per page,
-the pins of pages with no node of their own found by a range minimum over
-the walk's depths); no Python runs per page. A page's key is looked up when
+Cost: the walk is tensor work (the nodes' slots, the index's node per page,
+and — only while the tree holds pages a restore loaded — the core's walk of
+every slot's position, for the pins of pages with no node of their own,
+found by a range minimum over the walk's depths); no Python runs per page. A page's key is looked up when
 its page is taken for a chunk (:meth:`keys`): the key a pinned page was
 offered under cannot change while the lock holds it — its slots are not
 freed, so no insert or load names them anew — and a flush (:meth:`clear`,
@@ -108,16 +110,33 @@ class TreeIndex:
             raise LookupError(f"pool page {exc.args[0]} lost its name since the walk") from None
 
     def walk(self, core: Any, *, pin_below: bool = True) -> Walk:
-        """Every named full device page of ``core``'s tree (a tree core's ``walk_for_kv_canary``),
-        each with the node whose lock holds it: its own, else one below it (else, or without
-        ``pin_below``, :data:`NO_NODE`)."""
+        """Every named full device page of ``core``'s tree, depth-first, each with the node whose
+        lock holds it: its own, else one below it (else, or without ``pin_below``,
+        :data:`NO_NODE`).
+
+        The tree's device slots come from the core's ``all_values_flatten`` (its nodes' values
+        concatenated: a copy per node). Only a page with no node of its own (one a restore loaded)
+        needs its depth, to find a node below it; then the walk is ``walk_for_kv_canary``, which
+        lists every slot with its position — at 8× the KV most of the consistent point — so it is
+        taken only while such pages are in the tree."""
         p = self.page_size
+        empty = torch.empty(0, dtype=torch.int64)
+        flat = getattr(core, "all_values_flatten", None)
+        if flat is not None:
+            slots = flat().to(dtype=torch.int64, device="cpu")
+            if slots.numel() == 0:
+                return Walk(empty, empty, 0, self.generation)
+            pages = slots[slots % p == 0] // p  # a page starts here (tree values are page-aligned)
+            self._room(int(pages.max()) + 1)
+            own = self.nodes[pages]
+            if not pin_below or not bool((own == NO_NODE).any()):
+                named = own != UNNAMED
+                return Walk(pages[named], own[named], int((~named).sum()), self.generation)
         w = core.walk_for_kv_canary(False, False)
         pos = w.positions
-        empty = torch.empty(0, dtype=torch.int64)
         if pos.numel() == 0:
             return Walk(empty, empty, 0, self.generation)
-        first = pos % p == 0  # a page starts here (tree values are page-aligned)
+        first = pos % p == 0
         pages = (w.slot_indices[first] // p).to(dtype=torch.int64, device="cpu")
         depth = pos[first].to(dtype=torch.int64, device="cpu")
         self._room(int(pages.max()) + 1)
