@@ -213,3 +213,33 @@ def _serve(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _serve(sys.argv[1:])
+
+
+def test_the_socket_is_owner_only_replaces_a_stale_one_and_leaves_the_umask_alone(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bound in a private directory and moved into place: 0600 from its first moment, a killed
+    worker's socket file replaced, and no process-wide umask — the server runs inside the engine's
+    process, whose other threads create files and directories meanwhile."""
+    import os
+    import stat
+
+    path = short_tmp / "ctl.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))  # a killed worker's: nobody listens
+    stale.close()
+    umask_calls: list[int] = []
+    real_umask = os.umask
+    monkeypatch.setattr(os, "umask", lambda m: umask_calls.append(m) or real_umask(m))
+    srv = control.ControlServer(path, lambda msg: {"ok": True})
+    monkeypatch.undo()
+    try:
+        assert umask_calls == [], "the server changed the process's umask"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert not [p for p in short_tmp.iterdir() if p.name.startswith(".g")], "its private directory is left"
+        with contextlib.closing(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)) as c:
+            c.connect(str(path))
+            c.sendall(b'{"cmd": "ping"}\n')
+            assert json.loads(c.makefile().readline())["ok"] is True
+    finally:
+        srv.close()

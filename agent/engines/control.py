@@ -43,6 +43,7 @@ import logging
 import os
 import socket
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -120,13 +121,19 @@ class ControlServer:
         self._conns = self._slots.conns
         self._closed = False
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self._sock.bind(str(self.path))
-        finally:
-            os.umask(old)
+        # Bound in a private (0700) directory beside it, made 0600 there, then moved into place: no
+        # window in which the socket is wider open, and no process-wide umask — this runs inside
+        # the engine's process, whose own threads would create their files and directories under it.
+        with tempfile.TemporaryDirectory(prefix=".g", dir=self.path.parent) as private:
+            tmp = os.path.join(private, "s")
+            try:
+                self._sock.bind(tmp)
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, self.path)  # a stale socket of a killed worker is replaced
+            except BaseException:
+                self._sock.close()
+                raise
         self._sock.listen(64)
         self._thread = threading.Thread(target=self._serve, name="gpuckpt-control", daemon=True)
         self._thread.start()
