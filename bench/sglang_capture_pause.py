@@ -18,8 +18,15 @@ cores to the measured one), one with the linker and one without.
   without (medians: a shared host's stalls fall on one round, not the figure), and the linker's
   own time in its hooks per scheduler step (its counters). Nothing is being checkpointed.
 
-``python bench/sglang_capture_pause.py [--pages 1024] [--rounds 4]`` (``make bench-sglang-pause``).
-Prints one line per measurement, then the ratios; exits 0.
+``--model-kind gemma3|mistral`` runs the same on a tiny sliding-window model instead of the Llama
+(``gemma3``: bench/vllm_common.py's Gemma-3-style model, the vLLM overhead bench's sliding one;
+``mistral``: tests/harness/models.py's, every layer sliding, 4,096 positions). Both servers' KV
+capacity as SGLang reports it (``/server_info``: the pool's tokens, and its SWA pool's when it
+has one) is printed with its ratio; the pause part is skipped, saying why, when the linker
+reports the model's KV as not carried (``kv_not_carried``).
+
+``python bench/sglang_capture_pause.py [--pages 1024] [--rounds 4] [--model-kind dense]``
+(``make bench-sglang-pause``). Prints one line per measurement, then the ratios; exits 0.
 """
 
 from __future__ import annotations
@@ -44,11 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sglang_demo import STANDIN, sglang_python
-from vllm_common import free_port, make_model
+from vllm_common import free_port, make_model, make_sliding_model
 
 from agent import session
 from agent.engines.sglang.serve import CPU_ARGS, SglangClient
 from agent.testing import SglangProcess, WorkerProcess
+from tests.harness.models import write_tiny_sliding
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 16
@@ -107,9 +115,10 @@ def fill(client: SglangClient, rng: random.Random, requests: int) -> None:
         list(pool.map(lambda p: client.complete(p, {**GREEDY, "max_new_tokens": 1}), prompts))
 
 
-def capture_pause(s: SglangProcess, rng: random.Random, *, one_chunk: bool) -> dict[str, Any]:
-    """A capture read to its end while a request decodes: the longest gap between its tokens."""
-    dec = Decoder(s.url, [rng.randrange(3, VOCAB) for _ in range(40)], 8000)  # within the 8,192 context
+def capture_pause(s: SglangProcess, rng: random.Random, *, one_chunk: bool, tokens: int = 8000) -> dict[str, Any]:
+    """A capture read to its end while a request decodes (40 prompt tokens, then ``tokens``, within
+    the model's context): the longest gap between its tokens."""
+    dec = Decoder(s.url, [rng.randrange(3, VOCAB) for _ in range(40)], tokens)
     try:
         dec.wait_tokens(20)
         t0 = time.monotonic()
@@ -163,6 +172,30 @@ def throughput(client: SglangClient, rng: random.Random, requests: int, tokens: 
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
+def model_for(kind: str, root: Path) -> Path:
+    """The benchmark's model of ``kind``: the dense Llama or a sliding-window one."""
+    if kind == "dense":
+        return make_model(root, layers=2, hidden=256, heads=4, kv_heads=2, vocab=VOCAB, dtype="float32")
+    if kind == "gemma3":
+        return make_sliding_model(root)
+    path = root / "mistral-2L-256h-sw64"
+    return path if (path / "config.json").exists() else write_tiny_sliding(path, kind="mistral")
+
+
+def capacity(url: str) -> dict[str, Any]:
+    """The KV capacity SGLang reports (``/server_info``): the pool's tokens and, with a hybrid SWA
+    pool, the SWA pool's; whether its hybrid SWA memory is on."""
+    info = httpx.get(url + "/server_info", timeout=60).json()
+    mem = (info.get("internal_states") or [{}])[0].get("memory_usage") or {}
+    return {
+        "max_total_num_tokens": info.get("max_total_num_tokens"),
+        "token_capacity": mem.get("token_capacity"),
+        "token_capacity_swa": mem.get("token_capacity_swa"),
+        "kvcache_gb": mem.get("kvcache"),
+        "disable_hybrid_swa_memory": info.get("disable_hybrid_swa_memory"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=1024, help="the 1× prefix cache, in pages of 16 tokens")
@@ -170,9 +203,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--model-kind", choices=("dense", "gemma3", "mistral"), default="dense", help="the model")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpsgp-"))
-    model = str(make_model(work / "models", layers=2, hidden=256, heads=4, kv_heads=2, vocab=VOCAB, dtype="float32"))
+    model = str(model_for(a.model_kind, work / "models"))
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    layers, kv_heads = int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    decode_tokens = min(8000, int(cfg["max_position_embeddings"]) - 64)  # the decoder's, within the context
     per_request = PROMPT // PAGE
     fills = [max(1, a.pages // per_request), max(1, 8 * a.pages // per_request)]
     args = [*CPU_ARGS, "--page-size", str(PAGE), "--sleep-on-idle"]
@@ -203,20 +241,36 @@ def main() -> None:
         env=env,
         needs_socket=False,
     )
-    out: dict[str, Any] = {"pages_1x": a.pages, "page_bytes": 2 * 2 * PAGE * 2 * 64 * 4, "pause": {}, "throughput": {}}
+    out: dict[str, Any] = {
+        "model_kind": a.model_kind,
+        "pages_1x": a.pages,
+        "page_bytes": layers * 2 * PAGE * kv_heads * head_dim * 4,
+        "pause": {},
+        "throughput": {},
+    }
     try:
         for s in (with_linker, plain):
             s.wait_ready(900)
-        print(f"servers ready; logs in {work}", flush=True)
+        print(f"servers ready ({a.model_kind} model {model}); logs in {work}", flush=True)
+        out["capacity"] = {"with": capacity(with_linker.url), "without": capacity(plain.url)}
+        for label in ("without", "with"):
+            print(f"KV capacity {label} the linker: {json.dumps(out['capacity'][label])}", flush=True)
+        layout = session.describe(with_linker.control_socket).layout
+        not_carried = layout.get("kv_not_carried")
+        out["kv_not_carried"] = not_carried
         rng = random.Random(7)
         filled = 0
         for scale, n in zip(("1x", "8x"), fills, strict=True):
             fill(with_linker.client, rng, n - filled)
             filled = n
+            if not_carried:
+                continue
             for mode in ("streamed", "one chunk"):
-                r = capture_pause(with_linker, rng, one_chunk=mode == "one chunk")
+                r = capture_pause(with_linker, rng, one_chunk=mode == "one chunk", tokens=decode_tokens)
                 out["pause"].setdefault(scale, {})[mode] = r
                 print(f"pause {scale} {mode}: {json.dumps(r)}", flush=True)
+        if not_carried:
+            print(f"pause: skipped, the linker does not carry this model's KV: {not_carried}", flush=True)
         fill(plain.client, random.Random(7), filled)  # the same cache on both
         for s in (plain, with_linker):
             throughput(s.client, rng, 2, 16)  # warm-up
@@ -236,8 +290,14 @@ def main() -> None:
     finally:
         with_linker.kill()
         plain.kill()
+    cap = out["capacity"]
+    for key in ("token_capacity", "token_capacity_swa"):
+        w, wo = cap["with"][key], cap["without"][key]
+        if w is not None and wo:
+            out[f"{key}_ratio"] = w / wo
+            print(f"KV capacity ({key}) with the linker ÷ without: {w} / {wo} = {w / wo:.2f}", flush=True)
     p = out["pause"]
-    for mode in ("streamed", "one chunk"):
+    for mode in ("streamed", "one chunk") if p else ():
         r = p["8x"][mode]["longest_gap_ms"] / max(1e-9, p["1x"][mode]["longest_gap_ms"])
         h = p["8x"][mode]["linker_hold_ms"] / max(1e-9, p["1x"][mode]["linker_hold_ms"])
         out[f"pause_ratio_{mode.replace(' ', '_')}"] = r
