@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["DEFAULT_COPY_PER_STEP", "DEFAULT_MAX_STAGING", "RING", "StreamBook", "chunk_pages"]
 
@@ -46,9 +46,13 @@ def chunk_pages(page_bytes: int, *, max_staging: int, copy_per_step: int) -> tup
 
 @dataclass(kw_only=True)
 class StreamBook:
-    """One capture in flight: the chunks issued, staged and acknowledged (every method runs under
-    the adapter's lock). A subclass adds its pending pages, how its chunks' reports arrive
-    (:attr:`reports`, :attr:`complete`) and :meth:`hand_out`."""
+    """One capture in flight: the chunks issued, written (every rank's page file of a chunk),
+    staged and acknowledged (every method runs under the adapter's lock). A subclass adds its
+    pending pages and how it takes them."""
+
+    #: whether chunk 0 is handed out through :attr:`complete` (vLLM's; SGLang answers the capture
+    #: call with it directly)
+    first_in_complete: ClassVar[bool] = True
 
     seq: int
     name: str
@@ -75,6 +79,8 @@ class StreamBook:
     issued_at: dict[int, float] = field(default_factory=dict)
     latency: float = 0.0  # sum over chunks of issue → written
     written: int = 0  # chunks written (the mean latency's count)
+    reports: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # chunk → rank → report
+    reported: set[int] = field(default_factory=set)  # chunks every rank wrote
 
     def has_pending(self) -> bool:
         """Whether pages are left to issue (the subclass's pending pages)."""
@@ -83,6 +89,10 @@ class StreamBook:
     def lost_pages(self) -> int:
         """Pages the stream had to do without (evicted before their turn)."""
         return 0
+
+    def lost_since(self) -> list[str]:
+        """The keys (hex) of pages lost since the last call: each reply part names its own."""
+        return []
 
     # -- the engine's thread --
 
@@ -104,12 +114,24 @@ class StreamBook:
             self.last_chunk = k
         return k
 
-    def written_out(self, chunk: int, copy_s: float = 0.0) -> None:
-        """Chunk ``chunk``'s page files are all written: count it."""
+    def report(self, chunk: int, rank: int, rec: dict[str, Any], tp: int = 1) -> bool:
+        """Rank ``rank``'s page file of chunk ``chunk`` is written (or failed: ``rec["error"]``);
+        True when the chunk is complete (every one of the ``tp`` ranks' files) or failed."""
+        got = self.reports.setdefault(chunk, {})
+        got[rank] = rec
+        if rec.get("error"):
+            self.error = self.error or f"chunk {chunk}, rank {rank}: {rec['error']}"
+            return True
+        if len(got) < tp:
+            return False
+        self.reported.add(chunk)
         self.written += 1
         self.latency += time.monotonic() - self.issued_at.get(chunk, time.monotonic())
         self.copied_pages += self.chunk_pages_of.get(chunk, 0)
-        self.max_copy_s = max(self.max_copy_s, copy_s)
+        self.max_copy_s = max(self.max_copy_s, max(float(d.get("copy_s", 0.0)) for d in got.values()))
+        if chunk > 0 or self.first_in_complete:
+            self.complete.append(chunk)
+        return True
 
     # -- the control threads --
 
@@ -129,9 +151,34 @@ class StreamBook:
         """No word from the agent for ``idle_timeout`` s (a killed agent: nobody reads the chunks)."""
         return now - self.touched > self.idle_timeout
 
-    def hand_out(self) -> dict[str, Any] | None:
-        """The first complete chunk not yet handed out, as a reply part, or None."""
-        raise NotImplementedError
+    def hand_out(self, chunk: int | None = None) -> dict[str, Any] | None:
+        """A complete chunk (``chunk``, or the first to complete) as a reply part — every rank's
+        page file, by rank — or None."""
+        if chunk is not None:
+            if chunk not in self.complete:
+                return None
+            self.complete.remove(chunk)
+            k = chunk
+        elif self.complete:
+            k = self.complete.popleft()
+        else:
+            return None
+        self.touched = time.monotonic()
+        return {**self.part(k), "staged_peak_bytes": self.peak_staged}
+
+    def part(self, k: int) -> dict[str, Any]:
+        """Chunk ``k`` as a reply part: every rank's page file, by rank, and the pages lost since
+        the last part."""
+        shards = [dict(self.reports[k][r]) for r in sorted(self.reports[k])]
+        return {"chunk": k, "shards": shards, "last": k == self.last_chunk, "lost": self.lost_since()}
+
+    def files(self) -> list[str]:
+        """Every page file of this stream (any rank's) that the agent has not acknowledged."""
+        out = []
+        for k, ranks in self.reports.items():
+            if k not in self.acked:
+                out += [str(r["index"]) for r in ranks.values() if r.get("index")]
+        return out
 
     def summary(self) -> dict[str, Any]:
         return {

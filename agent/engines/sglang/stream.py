@@ -36,10 +36,9 @@ abandoned (a killed agent): its staged chunks are deleted.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from agent.engines.streams import StreamBook
 
@@ -98,11 +97,12 @@ class Stream(StreamBook):
     """One capture in flight. Every method runs under the linker's lock; the pins are touched on
     the scheduler thread only (the tree is not thread-safe)."""
 
+    first_in_complete: ClassVar[bool] = False  # chunk 0 answers the capture call itself
+
     pending: Planned
     pins: dict[int, Pin] = field(default_factory=dict)  # node → its lock, pages it still holds
     seen: set[bytes] = field(default_factory=set)  # keys taken (chunk 0's included): copied once
     dropped: list[Pending] = field(default_factory=list)  # taken pages whose key was taken before
-    reports: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # chunk → rank → report
     ended: bool = False  # the linker closed it (its locks are released or announced)
 
     def has_pending(self) -> bool:
@@ -143,44 +143,4 @@ class Stream(StreamBook):
         """Every pin still held, taken out (the stream ends: release them)."""
         out = list(self.pins.values())
         self.pins.clear()
-        return out
-
-    # -- the writer threads --
-
-    def report(self, chunk: int, rank: int, rec: dict[str, Any], tp: int = 1) -> bool:
-        """Rank ``rank``'s page file of chunk ``chunk`` is written (or failed: ``rec["error"]``);
-        True when the chunk is complete (every one of the ``tp`` ranks' files) or failed. Chunk 0
-        is not handed out: it answers the capture call itself."""
-        got = self.reports.setdefault(chunk, {})
-        got[rank] = rec
-        if rec.get("error"):
-            self.error = self.error or f"chunk {chunk}, rank {rank}: {rec['error']}"
-            return True
-        if len(got) < tp:
-            return False
-        self.written_out(chunk, max(float(d.get("copy_s", 0.0)) for d in got.values()))
-        if chunk > 0:
-            self.complete.append(chunk)
-        return True
-
-    # -- the control threads --
-
-    def part(self, k: int) -> dict[str, Any]:
-        """Chunk ``k`` as a reply part: every rank's page file, by rank."""
-        shards = [dict(self.reports[k][r]) for r in sorted(self.reports[k])]
-        return {"chunk": k, "shards": shards, "last": k == self.last_chunk, "lost": []}
-
-    def hand_out(self) -> dict[str, Any] | None:
-        """The first complete chunk not yet handed out, as a reply part, or None."""
-        if not self.complete:
-            return None
-        self.touched = time.monotonic()
-        return {**self.part(self.complete.popleft()), "staged_peak_bytes": self.peak_staged}
-
-    def files(self) -> list[str]:
-        """Every page file of this stream (any rank's) that the agent has not acknowledged."""
-        out = []
-        for k, ranks in self.reports.items():
-            if k not in self.acked:
-                out += [str(r["index"]) for r in ranks.values() if r.get("index")]
         return out

@@ -29,7 +29,6 @@ abandoned (a killed agent): its staged chunks are deleted.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,8 +84,6 @@ class Stream(StreamBook):
     """One capture in flight (scheduler half; every method runs under the connector's lock)."""
 
     pending: deque[Pending]
-    reports: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # chunk → rank → report
-    reported: set[int] = field(default_factory=set)  # chunks every rank wrote
     lost: list[bytes] = field(default_factory=list)
     lost_reported: int = 0
 
@@ -95,6 +92,10 @@ class Stream(StreamBook):
 
     def lost_pages(self) -> int:
         return len(self.lost)
+
+    def lost_since(self) -> list[str]:
+        new, self.lost_reported = self.lost[self.lost_reported :], len(self.lost)
+        return [x.hex() for x in new]
 
     # -- the scheduler thread --
 
@@ -110,58 +111,9 @@ class Stream(StreamBook):
                 self.lost.append(p.key)
         return out
 
-    def report(self, chunk: int, rank: int, rec: dict[str, Any], tp: int) -> bool:
-        """A rank's report of a chunk; True when the chunk is complete (every rank) or failed."""
-        got = self.reports.setdefault(chunk, {})
-        got[rank] = rec
-        if rec.get("error"):
-            why = f"chunk {chunk}, rank {rank}: {rec['error']}"
-            self.error = self.error or why
-            return True
-        if len(got) < tp:
-            return False
-        self.reported.add(chunk)
-        self.written_out(chunk, max(float(d.get("copy_s", 0.0)) for d in got.values()))
-        self.complete.append(chunk)
-        return True
-
     def needs_steps(self) -> bool:
         """Whether the engine must keep stepping for this stream: a chunk to issue, or a chunk whose
         reports are still due (they come back only with a step's worker metadata)."""
         if self.error is not None:
             return False
         return self.can_issue() or len(self.reported) < self.issued
-
-    # -- the control thread --
-
-    def hand_out(self, chunk: int | None = None) -> dict[str, Any] | None:
-        """A complete chunk (``chunk``, or the first to complete) as a reply part, or None."""
-        if chunk is not None:
-            if chunk not in self.complete:
-                return None
-            self.complete.remove(chunk)
-            k = chunk
-        elif self.complete:
-            k = self.complete.popleft()
-        else:
-            return None
-        self.touched = time.monotonic()
-        ranks = [dict(self.reports[k][r]) for r in sorted(self.reports[k])]
-        new_lost = self.lost[self.lost_reported :]
-        self.lost_reported = len(self.lost)
-        return {
-            "chunk": k,
-            "shards": ranks,
-            "last": k == self.last_chunk,
-            "lost": [x.hex() for x in new_lost],
-            "staged_peak_bytes": self.peak_staged,
-        }
-
-    def files(self) -> list[str]:
-        """Every page file this stream's chunks wrote that the agent has not acknowledged."""
-        out = []
-        for k, ranks in self.reports.items():
-            if k in self.acked:
-                continue
-            out += [str(d["index"]) for d in ranks.values() if d.get("index")]
-        return out
