@@ -4,13 +4,20 @@ KV capacity with the connector ÷ without, same machine, same run, alternated ro
 Each run is a fresh offline engine (its own process: nothing warm carries over) on a tiny
 random-weight model — a dense Llama and a Gemma-3-style sliding-window one (two KV cache groups
 under vLLM's hybrid KV cache manager) — serving 16 greedy requests × 256 tokens (EOS ignored)
-after a warm-up batch; the figures are generated tokens per second over the timed batch, the
-extra time per engine step (batch wall time ÷ steps, with − without) and the KV blocks vLLM
-allocated. Rounds alternate the two configurations so drift in the machine's load falls on both;
-the summary is the median ratio over the rounds, of wall-clock throughput and of tokens per CPU
-second of the engine's processes (the steadier figure on a shared host).
+after a warm-up batch, then the same batch ``--batches`` times; the fastest batch counts (timeit's
+rule: whatever else the host runs only ever adds time). The figures are generated tokens per
+second, the extra time per engine step (batch wall time ÷ steps, with − without) and the KV
+blocks vLLM allocated. Rounds alternate the configurations so drift in the machine's load falls
+on both.
 
-``python bench/vllm_step_overhead.py [--rounds 3] [--requests 16] [--tokens 256] [--models dense,sliding]``
+Why many rounds: a fresh engine process's memory layout alone moves its step time by several per
+cent (the same configuration, run twice, differs as much), far more than gpuckpt's few
+microseconds a step. So one round's ratio says little; the summary is the median of the rounds'
+ratios with a bootstrap 95 % interval, and the connector's own time, every hook timed in place.
+``--noop`` adds a connector that does nothing (:mod:`noop_connector`): vLLM's own cost of any
+connector, apart from gpuckpt's.
+
+``python bench/vllm_step_overhead.py [--rounds 10] [--batches 3] [--noop] [--models dense,sliding]``
 (``make bench-overhead``). Prints one line per run and the ratios (targets: throughput ≥ 0.98,
 capacity 1.00); exits 0.
 """
@@ -29,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -123,8 +131,18 @@ def hook_figures(spent: dict[str, float], calls: dict[str, int], steps: int) -> 
     return {"hooks_us_per_step": sum(own.values()), **{f"hook_us:{k}": v for k, v in own.items()}}
 
 
-def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hooks: bool = False) -> dict[str, float]:
-    """One engine (``config``: one of :data:`CONFIGS`), one timed batch (in this process)."""
+def run_one(
+    model: str,
+    config: str,
+    requests: int,
+    tokens: int,
+    sock: str,
+    hooks: bool = False,
+    n_batches: int = 1,
+    count: bool = False,
+) -> dict[str, float]:
+    """One engine (``config``: one of :data:`CONFIGS`), its timed batches (in this process);
+    ``count``: the Python calls of the one timed batch counted instead (:class:`CallCount`)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -157,7 +175,7 @@ def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hook
     prompts = [{"prompt_token_ids": [5 + i, 17, 23 + i, 42] * 8} for i in range(requests)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     settle_s = 0.0
-    if config == "with" and not hooks:
+    if config == "with" and not hooks and not count:
         # gpuckpt works the worker's description out once, in a thread beside the engine's start
         # (a restore at start asks for it first): the steady state begins once it is done
         from agent import session
@@ -168,19 +186,32 @@ def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hook
     if spent is not None:
         spent.clear()
         calls.clear()
-    c0, t0 = cpu_seconds(), time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    batches = []
+    counted = CallCount()
+    for _ in range(max(1, n_batches)):
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        if count:
+            sys.setprofile(counted)
+        try:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            sys.setprofile(None)
+        batches.append((time.perf_counter() - t0, cpu_seconds() - c0))
+    # the batch least disturbed by anything else on the host (timeit's rule: interference only
+    # ever adds time); the others are reported beside it
+    dt, cpu = min(batches)
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     # every request decodes in lockstep: one prefill step, then one step per further token
     steps = tokens
     cfg = llm.llm_engine.vllm_config
     return {
-        **(hook_figures(spent, calls, steps) if spent is not None else {}),
+        **(hook_figures(spent, calls, steps * len(batches)) if spent is not None else {}),
+        **({f"calls:{k}": v / steps for k, v in counted.by_kind.items()} if count else {}),
         "tokens_per_s": generated / dt,
         "tokens_per_cpu_s": generated / cpu,
         "ms_per_step": dt * 1000 / steps,
         "wall_s": dt,
+        "batch_ms_per_step": [b[0] * 1000 / steps for b in batches],  # type: ignore[dict-item]
         "settle_s": settle_s,
         "num_gpu_blocks": float(cfg.cache_config.num_gpu_blocks or 0),
         "hybrid_manager_off": float(bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)),
@@ -188,6 +219,54 @@ def run_one(model: str, config: str, requests: int, tokens: int, sock: str, hook
 
 
 LABEL = {"without": "no connector", "noop": "no-op connector", "with": "gpuckpt"}
+
+
+class CallCount:
+    """A ``sys.setprofile`` hook counting the Python and C function calls the engine's thread makes,
+    by whose code: gpuckpt's (``agent/``, and the no-op connector's), vLLM's, the rest. Unlike a
+    time, a count is the same on every run and every host: what a connector adds to each step,
+    with none of the layout noise that swamps a few microseconds (the engine must run in this
+    process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[str, int] = {"gpuckpt": 0, "vllm": 0, "other": 0, "total": 0}
+        self.kinds: dict[str, str] = {}
+
+    def kind(self, filename: str) -> str:
+        k = self.kinds.get(filename)
+        if k is None:
+            if "/agent/" in filename or filename.endswith("noop_connector.py"):
+                k = "gpuckpt"
+            elif "/vllm/" in filename:
+                k = "vllm"
+            else:
+                k = "other"
+            self.kinds[filename] = k
+        return k
+
+    def __call__(self, frame: Any, event: str, arg: object) -> None:
+        # a C function's call counts for the code that calls it
+        if event in ("call", "c_call"):
+            self.by_kind[self.kind(frame.f_code.co_filename)] += 1
+            self.by_kind["total"] += 1
+
+
+def paired(results: dict[str, list[dict[str, float]]], a: str, b: str, key: str = "tokens_per_s") -> list[float]:
+    """Each round's ratio ``a ÷ b`` of ``key`` (the two engines of one round ran back to back)."""
+    return [x[key] / y[key] for x, y in zip(results[a], results[b], strict=True)]
+
+
+def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10_000) -> tuple[float, float]:
+    """A bootstrap percentile interval of the median of ``xs`` (fixed seed: the same rounds print
+    the same interval). Each engine is a fresh process whose memory layout alone moves its step
+    time by several per cent, so one round's ratio says little; the interval says what the rounds
+    together pin down."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return meds[int(tail * resamples)], meds[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, str]:
@@ -212,17 +291,24 @@ def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument(
+        "--noop", action="store_true", help="add a no-op connector (vLLM's own connector cost, apart from gpuckpt's)"
+    )
     ap.add_argument("--models", default="dense,sliding", help="comma-separated: dense, sliding")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--batches", type=int, default=3, help="timed batches per engine; the fastest counts")
     ap.add_argument("--child", choices=[*CONFIGS, "hooks"], help=argparse.SUPPRESS)
+    ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         with tempfile.TemporaryDirectory(prefix="gpo-", dir="/tmp") as d:
             config = "with" if a.child == "hooks" else a.child
-            r = run_one(a.model, config, a.requests, a.tokens, os.path.join(d, "c.sock"), a.child == "hooks")
+            sock = os.path.join(d, "c.sock")
+            n = 1 if a.count else a.batches
+            r = run_one(a.model, config, a.requests, a.tokens, sock, a.child == "hooks", n, a.count)
         print("RESULT " + json.dumps(r), flush=True)
         os._exit(0)  # vLLM's engine process can hold a clean exit up (multiprocessing's join at exit)
     root = Path(os.environ.get("GPUCKPT_BENCH_MODELS", Path(tempfile.gettempdir()) / "gpuckpt-bench-models"))
@@ -231,15 +317,16 @@ def main() -> None:
         "sliding": lambda: make_sliding_model(root),
     }
     env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
+    configs = CONFIGS if a.noop else ("without", "with")
     summary = []
     for name in a.models.split(","):
         model = models[name]()
-        results: dict[str, list[dict[str, float]]] = {c: [] for c in CONFIGS}
+        results: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
         for rnd in range(a.rounds):
-            order = list(CONFIGS) if rnd % 2 == 0 else list(reversed(CONFIGS))
+            order = list(configs) if rnd % 2 == 0 else list(reversed(configs))
             for cfg in order:
                 cmd = [sys.executable, __file__, "--child", cfg, "--model", str(model)]
-                cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
+                cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens), "--batches", str(a.batches)]
                 stdout, stderr = run_child(cmd, env)
                 line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
@@ -249,21 +336,15 @@ def main() -> None:
                 print(
                     f"{name} round {rnd + 1} {LABEL[cfg]:>18}: {r['tokens_per_s']:8.1f} tok/s  "
                     f"{r['ms_per_step']:6.2f} ms/step  {r['tokens_per_cpu_s']:8.1f} tok/CPU-s  "
-                    f"{r['num_gpu_blocks']:.0f} KV blocks"
+                    f"{r['num_gpu_blocks']:.0f} KV blocks  (batches: "
+                    + " ".join(f"{x:.2f}" for x in r["batch_ms_per_step"])
+                    + " ms/step)"
                     + ("  (hybrid KV cache manager OFF)" if r["hybrid_manager_off"] else ""),
                     flush=True,
                 )
-        pairs = list(zip(results["with"], results["without"], strict=True))
-        ratios = [w["tokens_per_s"] / wo["tokens_per_s"] for w, wo in pairs]
-        cpu_ratios = [w["tokens_per_cpu_s"] / wo["tokens_per_cpu_s"] for w, wo in pairs]
-        extra = [w["ms_per_step"] - wo["ms_per_step"] for w, wo in pairs]
-        # vLLM's own cost of a connector (noop ÷ without), and gpuckpt's beyond it (with ÷ noop)
-        vllm_share = [
-            n["tokens_per_s"] / wo["tokens_per_s"] for n, wo in zip(results["noop"], results["without"], strict=True)
-        ]
-        own_share = [
-            w["tokens_per_s"] / n["tokens_per_s"] for w, n in zip(results["with"], results["noop"], strict=True)
-        ]
+        ratios = paired(results, "with", "without")
+        cpu_ratios = paired(results, "with", "without", "tokens_per_cpu_s")
+        extra = [w["ms_per_step"] - o["ms_per_step"] for w, o in zip(results["with"], results["without"], strict=True)]
         cap = results["with"][0]["num_gpu_blocks"] / results["without"][0]["num_gpu_blocks"]
         # the connector's own time, every hook timed, the engine in one process (the steadiest figure)
         cmd = [sys.executable, __file__, "--child", "hooks", "--model", str(model)]
@@ -280,20 +361,44 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f}" for v, k in top[:4])
             + ")"
         )
+        # what each configuration's engine thread calls a step: the same on every run
+        counts = {}
+        for cfg in configs:
+            cmd = [sys.executable, __file__, "--child", cfg, "--count", "--model", str(model)]
+            cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
+            stdout, stderr = run_child(cmd, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+            line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"the {name} {cfg} call count failed:\n{stderr[-3000:]}")
+            counts[cfg] = json.loads(line.removeprefix("RESULT "))
+        base = counts["without"]["calls:total"]
+        calls_line = (
+            f"{name}: function calls a step on the engine's thread (counted, the same every run): "
+            + "; ".join(
+                f"{LABEL[c]} {counts[c]['calls:total']:.0f} ({counts[c]['calls:total'] - base:+.0f}"
+                + (f", of which in gpuckpt's code {counts[c]['calls:gpuckpt']:.0f}" if c == "with" else "")
+                + ")"
+                for c in configs
+            )
+        )
+        lo, hi = median_ci(ratios)
         summary.append(
-            f"{name}: decode throughput with ÷ without = {statistics.median(ratios):.3f} (rounds: "
+            f"{name}: decode throughput with ÷ without = {statistics.median(ratios):.3f} "
+            f"(median of {len(ratios)} rounds, 95 % CI {lo:.3f}–{hi:.3f}; target ≥ 0.98; rounds: "
             + ", ".join(f"{x:.3f}" for x in ratios)
-            + f"); tokens per CPU second with ÷ without = {statistics.median(cpu_ratios):.3f} (rounds: "
-            + ", ".join(f"{x:.3f}" for x in cpu_ratios)
-            + f"); {statistics.median(extra):+.2f} ms per engine step; {own}; KV capacity with ÷ without = {cap:.2f}"
+            + f"); tokens per CPU second with ÷ without = {statistics.median(cpu_ratios):.3f}; "
+            f"{statistics.median(extra):+.3f} ms per engine step; {own}; KV capacity with ÷ without = {cap:.2f}"
         )
-        summary.append(
-            f"{name}: of which vLLM's own connector machinery (a no-op connector ÷ without) = "
-            f"{statistics.median(vllm_share):.3f} (rounds: "
-            + ", ".join(f"{x:.3f}" for x in vllm_share)
-            + f"); gpuckpt beyond it (gpuckpt ÷ the no-op connector) = {statistics.median(own_share):.3f} "
-            "(rounds: " + ", ".join(f"{x:.3f}" for x in own_share) + ")"
-        )
+        summary.append(calls_line)
+        if "noop" in configs:
+            # vLLM's own cost of a connector (noop ÷ without), and gpuckpt's beyond it (with ÷ noop)
+            vllm_share, own_share = paired(results, "noop", "without"), paired(results, "with", "noop")
+            summary.append(
+                f"{name}: of which vLLM's own connector machinery (a no-op connector ÷ without) = "
+                f"{statistics.median(vllm_share):.3f} (95 % CI {'–'.join(f'{x:.3f}' for x in median_ci(vllm_share))}); "
+                f"gpuckpt beyond it (gpuckpt ÷ the no-op connector) = {statistics.median(own_share):.3f} "
+                f"(95 % CI {'–'.join(f'{x:.3f}' for x in median_ci(own_share))})"
+            )
     print()
     for line in summary:
         print(line)

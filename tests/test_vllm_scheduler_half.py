@@ -129,3 +129,49 @@ def test_a_hold_holds_new_requests_until_they_have_all_arrived(halves: VllmHalve
     halves.channel.wait(when={"live": 2, "min_outputs": 1}, timeout=30)
     assert halves.block_ids("a")
     assert halves.block_ids("b")
+
+
+def test_an_idle_step_binds_no_metadata_so_vllm_skips_the_per_layer_hooks(halves: VllmHalves) -> None:
+    """With nothing checkpointed or restored the scheduler half sends its one idle metadata, and
+    the worker's connector leaves it unbound: vLLM's per-layer wrapper calls ``wait_for_layer_load``
+    and ``save_kv_layer`` only with metadata bound (``has_connector_metadata``), and the other hooks
+    have nothing to do. A step with work, or with restored requests' earlier outputs to put in
+    front of the sampler, is bound as before."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from agent.engines.vllm.connector import GpuckptConnector
+    from agent.engines.vllm.meta import GpuckptMeta
+
+    halves.channel.describe()  # the rank's report reached the scheduler half
+    wait_for(lambda: len(halves.half.reports) >= 1, 30, "the scheduler half to hold the rank's report")
+    with halves.lock:
+        meta = halves.half.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
+    assert isinstance(meta, GpuckptMeta)
+    assert meta.idle
+
+    c = GpuckptConnector(halves.config, KVConnectorRole.WORKER, halves.kv_cache_config)
+    c.register_kv_caches(halves.caches)
+    assert c.worker is not None
+    assert c.worker.report is not None  # sent until the scheduler has it
+    c.bind_connector_metadata(meta)
+    assert not c.has_connector_metadata()
+    assert c.worker.report is None  # an idle step's metadata means every report is in
+    c.start_load_kv(SimpleNamespace())
+    c.wait_for_save()
+    assert c.build_connector_worker_meta() is None
+    assert c.get_finished(set()) == (None, None)
+    assert not c.failures
+    c.clear_connector_metadata()
+
+    c.worker.priors["r-restored"] = [1, 2, 3]  # a restored request's outputs before the cut
+    c.bind_connector_metadata(meta)
+    assert c.has_connector_metadata(), "the priors are put in front in start_load_kv: the step is bound"
+    c.clear_connector_metadata()
+    c.worker.priors.clear()
+
+    c.bind_connector_metadata(GpuckptMeta(ranks_known=True))  # a step with gpuckpt's work
+    assert c.has_connector_metadata()
+    c.clear_connector_metadata()
+    c.shutdown()

@@ -9,6 +9,7 @@ wheel) and the repository root (the linker is imported from the working tree).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.engines.sglang.serve import CPU_ARGS, linker_config
+from agent.engines.types import Checkpointed
 from agent.testing import SglangProcess
+from ckpt import Repository
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT
 
@@ -78,3 +81,48 @@ class Servers:
     def close(self) -> None:
         for p in self.procs:
             p.kill()
+
+
+#: greedy, with the budget always spent (the reference runs and the checkpointed ones match)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def checkpoint_in_flight(
+    server: SglangProcess,
+    requests: dict[str, tuple[list[int], int]],
+    repo: Repository,
+    worker: str,
+    when: dict[str, int],
+    *,
+    kill: bool = False,
+) -> Checkpointed:
+    """``requests`` (rid → greedy prompt and budget) started on ``server``, each on a thread of its
+    own, and checkpointed once ``when`` holds (``session.checkpoint_around``: the capture waits
+    for the condition at a step boundary, not for a sleep). Then the requests run to their end —
+    or, with ``kill``, the server is SIGKILLed under them (their clients see the connection drop)."""
+    import threading
+
+    import httpx
+
+    from agent import session
+
+    threads: list[threading.Thread] = []
+
+    def run(rid: str, prompt: list[int], n: int) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the server may be killed under it
+            server.client.complete(prompt, {**GREEDY, "max_new_tokens": n}, rid=rid)
+
+    def start() -> None:
+        for rid, (prompt, n) in requests.items():
+            t = threading.Thread(target=run, args=(rid, prompt, n), name=f"client-{rid}")
+            t.start()
+            threads.append(t)
+
+    taken = session.checkpoint_around(
+        server.control_socket, start, repo, worker, when=when, timeout=300, generate=server.client.generate
+    )
+    if kill:
+        server.kill()
+    for t in threads:
+        t.join(300)
+    return taken

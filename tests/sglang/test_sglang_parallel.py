@@ -18,7 +18,6 @@ name (linkers hosted on bare pools).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -41,11 +40,10 @@ from agent.engines.types import TRUST_DOMAIN, Checkpointed, RestorePlan
 from agent.testing import SglangProcess
 from ckpt import Manifest, Repository
 from tests.harness.paths import ROOT, short_dir
-from tests.harness.sglang import STANDIN, Start
+from tests.harness.sglang import GREEDY, STANDIN, Start, checkpoint_in_flight
 from tests.harness.waiting import wait_for
 
 PAGE = 16
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 TP2 = ("--tp-size", "2")
 #: checkpointed on A (TP=2), restored into B (TP=2) and C (TP=1): rid → (prompt, budget)
 FROM_TP2 = {
@@ -92,26 +90,7 @@ def _checkpoint_and_kill(
     server: SglangProcess, requests: dict[str, tuple[list[int], int]], repo: Repository, worker: str
 ) -> Checkpointed:
     """``requests`` started, checkpointed once each has ``WHEN`` outputs, and the server SIGKILLed."""
-    threads: list[threading.Thread] = []
-
-    def run(rid: str, prompt: list[int], n: int) -> None:
-        with contextlib.suppress(httpx.HTTPError):  # the server is killed under it
-            server.client.complete(prompt, {**GREEDY, "max_new_tokens": n}, rid=rid)
-
-    def start() -> None:
-        for rid, (prompt, n) in requests.items():
-            t = threading.Thread(target=run, args=(rid, prompt, n))
-            t.start()
-            threads.append(t)
-
-    when = {**WHEN, "live": len(requests)}
-    taken = session.checkpoint_around(
-        server.control_socket, start, repo, worker, when=when, timeout=300, generate=server.client.generate
-    )
-    server.kill()
-    for t in threads:
-        t.join(60)
-    return taken
+    return checkpoint_in_flight(server, requests, repo, worker, {**WHEN, "live": len(requests)}, kill=True)
 
 
 @dataclass

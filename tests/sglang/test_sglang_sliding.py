@@ -11,7 +11,6 @@ pool's kind nor its size.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,11 +20,10 @@ import pytest
 from agent import session
 from ckpt import Repository
 from tests.harness.models import write_tiny_sliding
-from tests.harness.sglang import Servers
+from tests.harness.sglang import GREEDY, Servers, checkpoint_in_flight
 
 PAGE = 16
 WINDOW = 64
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 #: in-flight requests: rid → (prompt, budget), prompts past the window
 REQUESTS = {
     "s-short": ([5 + i % 400 for i in range(70)], 100),
@@ -45,21 +43,7 @@ def restored(sglang_python: str, tmp_path_factory: pytest.TempPathFactory) -> It
         ref = {rid: a.client.complete(p, {**GREEDY, "max_new_tokens": n}).token_ids for rid, (p, n) in REQUESTS.items()}
         httpx.post(a.url + "/flush_cache", timeout=30).raise_for_status()
         repo = Repository.open(str(tmp / "repo"), create=True)
-        threads: list[threading.Thread] = []
-
-        def start() -> None:
-            for rid, (prompt, n) in REQUESTS.items():
-                t = threading.Thread(
-                    target=a.client.complete, args=(prompt, {**GREEDY, "max_new_tokens": n}), kwargs={"rid": rid}
-                )
-                t.start()
-                threads.append(t)
-
-        taken = session.checkpoint_around(
-            a.control_socket, start, repo, "sglang-sw", when=WHEN, timeout=300, generate=a.client.generate
-        )
-        for t in threads:
-            t.join(300)
+        taken = checkpoint_in_flight(a, REQUESTS, repo, "sglang-sw", WHEN)
         info_a = httpx.get(a.url + "/server_info", timeout=30).json()
         a.kill()
         b = servers.start("b")

@@ -9,7 +9,6 @@ Every comparison is against the uninterrupted run of the same requests on A.
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,9 @@ from agent.engines.sglang.serve import Completion
 from agent.testing import SglangProcess
 from ckpt import Repository
 from tests.harness.repo import corrupt_blocks
-from tests.harness.sglang import Start
+from tests.harness.sglang import GREEDY, Start, checkpoint_in_flight
 
 PAGE = 16
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 #: in-flight requests: rid → (prompt, budget); different lengths, whole and partial pages
 REQUESTS = {
     "g-short": ([5 + i % 400 for i in range(23)], 90),
@@ -57,22 +55,8 @@ def checkpointed(start_server: Start, tmp_path_factory: pytest.TempPathFactory) 
     a.client.complete(TURN1, {**GREEDY, "max_new_tokens": TURN1_OUT}, rid="turn-1b")  # the turn, cached again
     repo_path = tmp_path_factory.mktemp("sglang-repo") / "repo"
     repo = Repository.open(str(repo_path), create=True)
-    threads: list[threading.Thread] = []
-
-    def start() -> None:
-        for rid, (prompt, n) in REQUESTS.items():
-            t = threading.Thread(
-                target=a.client.complete, args=(prompt, {**GREEDY, "max_new_tokens": n}), kwargs={"rid": rid}
-            )
-            t.start()
-            threads.append(t)
-
-    taken = session.checkpoint_around(
-        a.control_socket, start, repo, "sglang-a", when=WHEN, timeout=300, generate=a.client.generate
-    )
+    taken = checkpoint_in_flight(a, REQUESTS, repo, "sglang-a", WHEN)
     m, stats = taken.manifest, taken.stats
-    for t in threads:
-        t.join(300)
     a.kill()
     return {
         "repo_path": repo_path,

@@ -36,6 +36,8 @@ step's :class:`.meta.GpuckptMeta`:
 hook                               when                                        safe answer
 =================================  ==========================================  =====================
 ``register_kv_caches``             once, after the caches are allocated        rank disabled
+``bind_connector_metadata``        before the forward (an idle step's is not   —
+                                   bound: the per-layer hooks are skipped)
 ``start_load_kv``                  before the forward                          loads are errors
 ``wait_for_layer_load``            per layer (nothing: loads are synchronous)  —
 ``save_kv_layer``                  per layer (nothing: copies wait for save)   —
@@ -175,6 +177,20 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown()
 
     # ------------------------------------------------------------------ worker side
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # An idle step is left unbound: vLLM's per-layer wrapper then skips both per-layer hooks
+        # (it calls them only with metadata bound), and the other worker hooks return at once —
+        # what a worker pays for gpuckpt while nothing is checkpointed or restored.
+        w = self.worker
+        # (an exact type test: isinstance against vLLM's ABC takes the slow path for a non-match)
+        if w is not None and type(connector_metadata) is GpuckptMeta and connector_metadata.idle:
+            try:
+                if w.idle_step():
+                    return
+            except Exception:  # never the engine's problem: bind it, the hooks' guards take over
+                log.exception("gpuckpt: an idle step's bookkeeping failed")
+        super().bind_connector_metadata(connector_metadata)
 
     @guard(lambda self, kv_caches: self._w.disable(_DISABLED))
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -117,7 +117,7 @@ class SchedulerHalf(VllmService):
         file (written off the step, one or more steps later); so do tail copies, files to delete and
         the ranks' reports not yet in. (Conditional waiters wait for requests, which keep the engine
         stepping themselves.)"""
-        unconditional = any(not w.when for w in self.capture_calls)
+        unconditional = bool(self.capture_calls) and any(not w.when for w in self.capture_calls)
         streaming = self.stream is not None and self.stream.needs_steps()
         return (
             bool(unconditional or streaming or self.tail_copies or self.tails_inflight or self.retired)
@@ -447,7 +447,7 @@ class SchedulerHalf(VllmService):
             with self.lock:
                 self.tails_inflight.difference_update(sent)
         wm = connector_output.kv_connector_worker_meta
-        if not isinstance(wm, GpuckptWorkerMeta):
+        if wm is None or not isinstance(wm, GpuckptWorkerMeta):  # None first: no ABC instance check
             return
         if wm.reports and len(self.reports) < self.tp:
             with self.lock:

@@ -217,10 +217,18 @@ class WorkerHalf:
             self.load_errors.update(b for b, _, _ in meta.loads)
             self.load_errors.update(meta.fail_loads)
 
+    def idle_step(self) -> bool:
+        """An idle step's metadata arrived (nothing of gpuckpt's this step): whether the step may
+        run with no metadata bound at all — vLLM then skips the two per-layer hooks, and each
+        worker hook finds nothing to do. Not while restored requests' earlier outputs are to be put
+        in front of the sampler's view (:meth:`refresh_priors`, in ``start_load_kv``)."""
+        self.report = None  # an idle step's metadata means every rank's report is in
+        return not self.priors
+
     def start_load_kv(self, meta: Any) -> None:
-        if not isinstance(meta, GpuckptMeta):
+        if meta is None or not isinstance(meta, GpuckptMeta):  # None first: no ABC instance check
             return
-        if meta.idle:  # nothing of gpuckpt's this step (the idle worker's whole cost)
+        if meta.idle:  # nothing of gpuckpt's this step but the priors (see idle_step)
             self.report = None
             if self.priors:
                 self.refresh_priors()
@@ -313,7 +321,7 @@ class WorkerHalf:
                 self.finish_capture(meta.capture, {"error": "the worker's copy failed (see its log)"})
 
     def wait_for_save(self, meta: Any) -> None:
-        if not isinstance(meta, GpuckptMeta) or meta.idle:
+        if meta is None or not isinstance(meta, GpuckptMeta) or meta.idle:
             return
         for key_hex, block_id, rid in meta.tails:  # before the capture, which includes them
             try:
@@ -418,6 +426,10 @@ class WorkerHalf:
         return (sent or None), None
 
     def build_connector_worker_meta(self) -> GpuckptWorkerMeta | None:
+        if not self._done and self.report is None:
+            # the usual step: no lock taken (a page file a writer thread finishes meanwhile is in
+            # the next step's metadata)
+            return None
         with self._done_lock:
             done, self._done = self._done, {}
         reports = {self.rank: self.report} if self.report is not None else {}
