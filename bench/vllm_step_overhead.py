@@ -140,7 +140,7 @@ def run_one(
     hooks: bool = False,
     n_batches: int = 1,
     count: bool = False,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One engine (``config``: one of :data:`CONFIGS`), its timed batches (in this process);
     ``count``: the Python calls of the one timed batch counted instead (:class:`CallCount`)."""
     from vllm import LLM, SamplingParams
@@ -211,7 +211,7 @@ def run_one(
         "tokens_per_cpu_s": generated / cpu,
         "ms_per_step": dt * 1000 / steps,
         "wall_s": dt,
-        "batch_ms_per_step": [b[0] * 1000 / steps for b in batches],  # type: ignore[dict-item]
+        "batch_ms_per_step": [b[0] * 1000 / steps for b in batches],
         "settle_s": settle_s,
         "num_gpu_blocks": float(cfg.cache_config.num_gpu_blocks or 0),
         "hybrid_manager_off": float(bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)),
@@ -251,7 +251,7 @@ class CallCount:
             self.by_kind["total"] += 1
 
 
-def paired(results: dict[str, list[dict[str, float]]], a: str, b: str, key: str = "tokens_per_s") -> list[float]:
+def paired(results: dict[str, list[dict[str, Any]]], a: str, b: str, key: str = "tokens_per_s") -> list[float]:
     """Each round's ratio ``a ÷ b`` of ``key`` (the two engines of one round ran back to back)."""
     return [x[key] / y[key] for x, y in zip(results[a], results[b], strict=True)]
 
@@ -289,6 +289,18 @@ def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, str]:
         return "".join(lines), err.read()
 
 
+def child(model: Path, what: str, env: dict[str, str], args: list[str]) -> dict[str, Any]:
+    """Run one measured child (``args`` after the model) and return its result; exit naming
+    ``what`` with the child's stderr if it gave none."""
+    cmd = [sys.executable, __file__, "--model", str(model), *args]
+    stdout, stderr = run_child(cmd, env)
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"the {what} failed:\n{stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
@@ -317,21 +329,17 @@ def main() -> None:
         "sliding": lambda: make_sliding_model(root),
     }
     env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
+    in_process = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    sizes = ["--requests", str(a.requests), "--tokens", str(a.tokens)]
     configs = CONFIGS if a.noop else ("without", "with")
     summary = []
     for name in a.models.split(","):
         model = models[name]()
-        results: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+        results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
         for rnd in range(a.rounds):
             order = list(configs) if rnd % 2 == 0 else list(reversed(configs))
             for cfg in order:
-                cmd = [sys.executable, __file__, "--child", cfg, "--model", str(model)]
-                cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens), "--batches", str(a.batches)]
-                stdout, stderr = run_child(cmd, env)
-                line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    sys.exit(f"the {name} {cfg} run failed:\n{stderr[-3000:]}")
-                r = json.loads(line.removeprefix("RESULT "))
+                r = child(model, f"{name} {cfg} run", env, ["--child", cfg, *sizes, "--batches", str(a.batches)])
                 results[cfg].append(r)
                 print(
                     f"{name} round {rnd + 1} {LABEL[cfg]:>18}: {r['tokens_per_s']:8.1f} tok/s  "
@@ -347,13 +355,7 @@ def main() -> None:
         extra = [w["ms_per_step"] - o["ms_per_step"] for w, o in zip(results["with"], results["without"], strict=True)]
         cap = results["with"][0]["num_gpu_blocks"] / results["without"][0]["num_gpu_blocks"]
         # the connector's own time, every hook timed, the engine in one process (the steadiest figure)
-        cmd = [sys.executable, __file__, "--child", "hooks", "--model", str(model)]
-        cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
-        stdout, stderr = run_child(cmd, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"the {name} hooks run failed:\n{stderr[-3000:]}")
-        h = json.loads(line.removeprefix("RESULT "))
+        h = child(model, f"{name} hooks run", in_process, ["--child", "hooks", *sizes])
         top = sorted(((v, k.removeprefix("hook_us:")) for k, v in h.items() if k.startswith("hook_us:")), reverse=True)
         own = (
             f"gpuckpt's own hooks {h['hooks_us_per_step']:.1f} µs a step "
@@ -362,15 +364,10 @@ def main() -> None:
             + ")"
         )
         # what each configuration's engine thread calls a step: the same on every run
-        counts = {}
-        for cfg in configs:
-            cmd = [sys.executable, __file__, "--child", cfg, "--count", "--model", str(model)]
-            cmd += ["--requests", str(a.requests), "--tokens", str(a.tokens)]
-            stdout, stderr = run_child(cmd, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-            line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"the {name} {cfg} call count failed:\n{stderr[-3000:]}")
-            counts[cfg] = json.loads(line.removeprefix("RESULT "))
+        counts = {
+            cfg: child(model, f"{name} {cfg} call count", in_process, ["--child", cfg, "--count", *sizes])
+            for cfg in configs
+        }
         base = counts["without"]["calls:total"]
         calls_line = (
             f"{name}: function calls a step on the engine's thread (counted, the same every run): "

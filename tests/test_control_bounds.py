@@ -191,30 +191,6 @@ def test_unfinished_requests_are_bounded_across_connections(short_tmp: Path) -> 
         srv.close()
 
 
-def _serve(argv: list[str]) -> None:
-    sock, state = Path(argv[0]), Path(argv[1])
-
-    def handle(req: dict[str, Any]) -> dict[str, Any]:
-        if req.get("cmd") == "ping":
-            return {"ok": True}
-        if req.get("cmd") == "block":
-            name = str(req["name"])
-            (state / f"running-{name}").touch()
-            while not (state / f"release-{name}").exists():
-                time.sleep(0.01)
-            return {"ok": True, "released": name}
-        return {"ok": False, "error": f"unknown command {req.get('cmd')!r}"}
-
-    server = control.ControlServer(sock, handle, max_connections=int(argv[2]), request_timeout=float(argv[3]))
-    print("ready", flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-    server.close()
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1:])
-
-
 def test_the_socket_is_owner_only_replaces_a_stale_one_and_leaves_the_umask_alone(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -243,3 +219,27 @@ def test_the_socket_is_owner_only_replaces_a_stale_one_and_leaves_the_umask_alon
             assert json.loads(c.makefile().readline())["ok"] is True
     finally:
         srv.close()
+
+
+def _serve(argv: list[str]) -> None:
+    sock, state = Path(argv[0]), Path(argv[1])
+
+    def handle(req: dict[str, Any]) -> dict[str, Any]:
+        if req.get("cmd") == "ping":
+            return {"ok": True}
+        if req.get("cmd") == "block":
+            name = str(req["name"])
+            (state / f"running-{name}").touch()
+            while not (state / f"release-{name}").exists():
+                time.sleep(0.01)
+            return {"ok": True, "released": name}
+        return {"ok": False, "error": f"unknown command {req.get('cmd')!r}"}
+
+    server = control.ControlServer(sock, handle, max_connections=int(argv[2]), request_timeout=float(argv[3]))
+    print("ready", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+    server.close()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])

@@ -13,10 +13,14 @@ import contextlib
 import json
 import os
 import subprocess
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from agent import session
 from agent.engines.sglang.serve import CPU_ARGS, linker_config
 from agent.engines.types import Checkpointed
 from agent.testing import SglangProcess
@@ -100,12 +104,6 @@ def checkpoint_in_flight(
     own, and checkpointed once ``when`` holds (``session.checkpoint_around``: the capture waits
     for the condition at a step boundary, not for a sleep). Then the requests run to their end —
     or, with ``kill``, the server is SIGKILLed under them (their clients see the connection drop)."""
-    import threading
-
-    import httpx
-
-    from agent import session
-
     threads: list[threading.Thread] = []
 
     def run(rid: str, prompt: list[int], n: int) -> None:

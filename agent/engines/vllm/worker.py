@@ -228,9 +228,8 @@ class WorkerHalf:
     def start_load_kv(self, meta: Any) -> None:
         if meta is None or not isinstance(meta, GpuckptMeta):  # None first: no ABC instance check
             return
-        if meta.idle:  # nothing of gpuckpt's this step but the priors (see idle_step)
-            self.report = None
-            if self.priors:
+        if meta.idle:  # bound only for the priors (see idle_step)
+            if not self.idle_step():
                 self.refresh_priors()
             return
         if meta.ranks_known:
