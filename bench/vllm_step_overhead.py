@@ -19,7 +19,9 @@ connector, apart from gpuckpt's.
 
 ``python bench/vllm_step_overhead.py [--rounds 10] [--batches 3] [--noop] [--models dense,sliding]``
 (``make bench-overhead``). Prints one line per run and the ratios (targets: throughput ≥ 0.98,
-capacity 1.00); exits 0.
+capacity 1.00); exits 0. The figure moves between runs on a shared host by more than a run's
+interval: ``--pool LOG [LOG ...]`` reads saved runs' round lines back and prints the median and
+interval of every round of them together.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -269,6 +272,37 @@ def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10_000) -> 
     return meds[int(tail * resamples)], meds[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+ROUND_LINE = re.compile(r"^(\w+) round (\d+)\s+(.+?):\s+([\d.]+) tok/s")
+
+
+def pool(logs: list[str]) -> list[str]:
+    """The ratios of every round of the saved runs ``logs`` (this script's output) together, per
+    model and per pair of configurations that ran in the same rounds: one line each."""
+    ratios: dict[tuple[str, str, str], list[float]] = {}
+    runs: dict[tuple[str, str, str], set[str]] = {}
+    pairs = [("with", "without"), ("noop", "without"), ("with", "noop")]
+    for log in logs:
+        rounds: dict[tuple[str, int], dict[str, float]] = {}
+        for line in Path(log).read_text().splitlines():
+            if m := ROUND_LINE.match(line):
+                rounds.setdefault((m[1], int(m[2])), {})[m[3].strip()] = float(m[4])
+        for (model, _), tput in rounds.items():
+            for a, b in pairs:
+                if LABEL[a] in tput and LABEL[b] in tput:
+                    key = (model, LABEL[a], LABEL[b])
+                    ratios.setdefault(key, []).append(tput[LABEL[a]] / tput[LABEL[b]])
+                    runs.setdefault(key, set()).add(log)
+    out = []
+    for key, xs in sorted(ratios.items()):
+        lo, hi = median_ci(xs)
+        model, a, b = key
+        out.append(
+            f"{model}: decode throughput {a} ÷ {b} = {statistics.median(xs):.3f} "
+            f"(median of {len(xs)} rounds from {len(runs[key])} runs, 95 % CI {lo:.3f}–{hi:.3f})"
+        )
+    return out
+
+
 def run_child(cmd: list[str], env: dict[str, str]) -> tuple[str, str]:
     """Run one measured engine in a process group of its own; read its output until the result
     line (vLLM's engine processes keep the pipes open after the client exits), then kill the group."""
@@ -311,10 +345,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, default=3, help="timed batches per engine; the fastest counts")
+    ap.add_argument("--pool", nargs="+", metavar="LOG", help="pool the rounds of saved runs' output; run nothing")
     ap.add_argument("--child", choices=[*CONFIGS, "hooks"], help=argparse.SUPPRESS)
     ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.pool:
+        for line in pool(a.pool):
+            print(line)
+        return
     if a.child:
         with tempfile.TemporaryDirectory(prefix="gpo-", dir="/tmp") as d:
             config = "with" if a.child == "hooks" else a.child

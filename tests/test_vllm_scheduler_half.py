@@ -131,6 +131,35 @@ def test_a_hold_holds_new_requests_until_they_have_all_arrived(halves: VllmHalve
     assert halves.block_ids("b")
 
 
+def test_the_idle_metadata_crosses_to_the_workers_as_its_name() -> None:
+    """vLLM pickles every step's metadata into the workers' queue (``shm_broadcast.MessageQueue``:
+    ``pickle.HIGHEST_PROTOCOL``). The idle step's crosses as a reference to :data:`IDLE` — a few
+    bytes, read back as that same object, so the worker's idle test holds on every rank — while a
+    step with work crosses by value, field for field. (Pickle here is vLLM's wire between its own
+    processes, reproduced to see what it does to gpuckpt's objects; no format of gpuckpt's uses it.)"""
+    import pickle
+
+    from agent.engines.vllm.meta import IDLE, GpuckptMeta
+
+    def cross(obj: GpuckptMeta) -> tuple[int, GpuckptMeta]:
+        raw = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        back: GpuckptMeta = pickle.loads(raw)  # noqa: S301 -- vLLM's own queue, our own bytes
+        return len(raw), back
+
+    size, back = cross(IDLE)
+    assert back is IDLE
+    assert size < 64, f"{size} bytes: the idle metadata is pickled by value"
+    assert GpuckptMeta(ranks_known=True, idle=True) == IDLE  # nothing planned in any field
+
+    work = GpuckptMeta(loads=[(3, "p/0001", "ab")], priors=[("r", [1, 2])], ranks_known=True)
+    _, back = cross(work)
+    assert back == work
+    assert back is not work
+    assert not back.idle
+    _, back = cross(GpuckptMeta(ranks_known=True, idle=True))  # equal to IDLE but not it: by value
+    assert back is not IDLE
+
+
 def test_an_idle_step_binds_no_metadata_so_vllm_skips_the_per_layer_hooks(halves: VllmHalves) -> None:
     """With nothing checkpointed or restored the scheduler half sends its one idle metadata, and
     the worker's connector leaves it unbound: vLLM's per-layer wrapper calls ``wait_for_layer_load``
@@ -142,14 +171,13 @@ def test_an_idle_step_binds_no_metadata_so_vllm_skips_the_per_layer_hooks(halves
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from agent.engines.vllm.connector import GpuckptConnector
-    from agent.engines.vllm.meta import GpuckptMeta
+    from agent.engines.vllm.meta import IDLE, GpuckptMeta
 
     halves.channel.describe()  # the rank's report reached the scheduler half
     wait_for(lambda: len(halves.half.reports) >= 1, 30, "the scheduler half to hold the rank's report")
     with halves.lock:
         meta = halves.half.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
-    assert isinstance(meta, GpuckptMeta)
-    assert meta.idle
+    assert meta is IDLE  # the one shared idle metadata: no per-step allocation
 
     c = GpuckptConnector(halves.config, KVConnectorRole.WORKER, halves.kv_cache_config)
     c.register_kv_caches(halves.caches)

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from agent.engines.vllm.capture import CopyJob
 
-__all__ = ["GpuckptMeta", "GpuckptWorkerMeta", "tail_key"]
+__all__ = ["IDLE", "GpuckptMeta", "GpuckptWorkerMeta", "tail_key"]
 
 
 def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...], cache_salt: str | None, lora: str | None) -> bytes:
@@ -63,6 +63,20 @@ class GpuckptMeta(KVConnectorMetadata):
     close_files: list[str] = field(default_factory=list)
     ranks_known: bool = False
     idle: bool = False
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The idle step's metadata (:data:`IDLE`) crosses to the workers as its name, not its
+        # value: vLLM pickles every step's metadata into the workers' queue, and a name is a few
+        # bytes to write and one lookup to read, where the value is ten fields and eight fresh
+        # lists on every rank — the per-step cost of gpuckpt while nothing is checkpointed.
+        if self is IDLE:
+            return "IDLE"
+        return super().__reduce_ex__(protocol)
+
+
+#: What every step carries while gpuckpt has nothing to do (:meth:`.SchedulerHalf.build_connector_meta`):
+#: one shared object that nothing mutates, unpickled on the workers as this same object.
+IDLE = GpuckptMeta(ranks_known=True, idle=True)
 
 
 @dataclass

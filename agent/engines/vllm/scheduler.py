@@ -61,7 +61,7 @@ from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
 from agent.engines.vllm.groups import GroupRule, group_key, plan_hit
 from agent.engines.vllm.ledger import client_id
-from agent.engines.vllm.meta import GpuckptMeta, GpuckptWorkerMeta, tail_key
+from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta, tail_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,7 +91,6 @@ class SchedulerHalf(VllmService):
         self.tails_inflight: set[str] = set()
         self.gen_loads: list[tuple[str, str]] = []
         self.prior_loads: list[tuple[str, list[int]]] = []
-        self.idle_meta = GpuckptMeta(ranks_known=True, idle=True)  # what an idle step sends (see build_connector_meta)
 
     # ------------------------------------------------------------------ binding
 
@@ -369,7 +368,7 @@ class SchedulerHalf(VllmService):
             if self.idle_now():
                 # nothing planned, nothing waiting: the same empty metadata every step (the worker
                 # only reads it), no per-step allocation or scan — the idle worker's whole cost
-                return self.idle_meta
+                return IDLE
             meta = GpuckptMeta(
                 loads=self.loads,
                 tails=self.tail_copies,
