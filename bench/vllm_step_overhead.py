@@ -272,6 +272,7 @@ def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10_000) -> 
     return meds[int(tail * resamples)], meds[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+#: one run's line per engine, as :func:`main` prints it (what ``--pool`` reads back)
 ROUND_LINE = re.compile(r"^(\w+) round (\d+)\s+(.+?):\s+([\d.]+) tok/s")
 
 
@@ -286,6 +287,8 @@ def pool(logs: list[str]) -> list[str]:
         for line in Path(log).read_text().splitlines():
             if m := ROUND_LINE.match(line):
                 rounds.setdefault((m[1], int(m[2])), {})[m[3].strip()] = float(m[4])
+        if not rounds:  # not this script's output, or its round lines changed without ROUND_LINE
+            sys.exit(f'{log}: no round lines ("<model> round <n> <configuration>: <x> tok/s") in it')
         for (model, _), tput in rounds.items():
             for a, b in pairs:
                 if LABEL[a] in tput and LABEL[b] in tput:
