@@ -1,27 +1,33 @@
 """What loading gpuckpt costs a vLLM worker that is not being checkpointed: decode throughput and
-KV capacity with the connector ÷ without, same machine, same run, alternated rounds.
+KV capacity with the connector ÷ without, same machine, same run.
 
-Each run is a fresh offline engine (its own process: nothing warm carries over) on a tiny
-random-weight model — a dense Llama and a Gemma-3-style sliding-window one (two KV cache groups
-under vLLM's hybrid KV cache manager) — serving 16 greedy requests × 256 tokens (EOS ignored)
-after a warm-up batch, then the same batch ``--batches`` times; the fastest batch counts (timeit's
-rule: whatever else the host runs only ever adds time). The figures are generated tokens per
-second, the extra time per engine step (batch wall time ÷ steps, with − without) and the KV
-blocks vLLM allocated. Rounds alternate the configurations so drift in the machine's load falls
-on both.
+Two comparisons, each on a tiny random-weight model — a dense Llama and a Gemma-3-style
+sliding-window one (two KV cache groups under vLLM's hybrid KV cache manager) — serving 16 greedy
+requests × 256 tokens (EOS ignored) after a warm-up batch:
 
-Why many rounds: a fresh engine process's memory layout alone moves its step time by several per
-cent (the same configuration, run twice, differs as much), far more than gpuckpt's few
-microseconds a step. So one round's ratio says little; the summary is the median of the rounds'
-ratios with a bootstrap 95 % interval, and the connector's own time, every hook timed in place.
-``--noop`` adds a connector that does nothing (:mod:`noop_connector`): vLLM's own cost of any
-connector, apart from gpuckpt's.
+- **One engine, switched** (the headline figure): one engine built with gpuckpt's connector is
+  switched between batches to no connector, a connector that does nothing
+  (:mod:`noop_connector`: vLLM's own cost of any connector) and gpuckpt's
+  (:mod:`connector_switch`), ``--switched-rounds`` rounds in alternating order. The same process
+  and memory layout throughout, so the ratio is what each step pays, with none of the
+  process-to-process noise below; the EngineCore runs in the benchmark's process, the worker in
+  its own (vLLM's ``mp`` executor). Switched off, the engine must make exactly the calls of a
+  fresh engine without a connector: the summary checks the count against one.
+- **Fresh engines**: each run a fresh offline engine (its own process group: nothing warm carries
+  over), ``--batches`` timed batches, the fastest counting (timeit's rule: whatever else the host
+  runs only ever adds time), ``--rounds`` rounds alternating the configurations. This one also
+  sees what a connector costs a process apart from its steps (its imports, its threads) and the
+  KV blocks vLLM allocates. But a fresh engine's memory layout alone moves its step time by
+  several per cent, far more than gpuckpt's few microseconds a step, so one round's ratio says
+  little: the summary is the median of the rounds' ratios with a bootstrap 95 % interval, the
+  function calls a step (counted: the same on every run) and the connector's own time, every hook
+  timed in place. ``--noop`` adds the no-op connector here too.
 
-``python bench/vllm_step_overhead.py [--rounds 10] [--batches 3] [--noop] [--models dense,sliding]``
-(``make bench-overhead``). Prints one line per run and the ratios (targets: throughput ≥ 0.98,
-capacity 1.00); exits 0. The figure moves between runs on a shared host by more than a run's
-interval: ``--pool LOG [LOG ...]`` reads saved runs' round lines back and prints the median and
-interval of every round of them together.
+``python bench/vllm_step_overhead.py [--switched-rounds 40] [--rounds 10] [--batches 3] [--noop]
+[--models dense,sliding]`` (``make bench-overhead``). Prints one line per round and the ratios
+(targets: throughput ≥ 0.98, capacity 1.00); exits 0. The fresh engines' figure moves between
+runs on a shared host by more than a run's interval: ``--pool LOG [LOG ...]`` reads saved runs'
+round lines back and prints the median and interval of every round of them together.
 """
 
 from __future__ import annotations
@@ -134,23 +140,14 @@ def hook_figures(spent: dict[str, float], calls: dict[str, int], steps: int) -> 
     return {"hooks_us_per_step": sum(own.values()), **{f"hook_us:{k}": v for k, v in own.items()}}
 
 
-def run_one(
-    model: str,
-    config: str,
-    requests: int,
-    tokens: int,
-    sock: str,
-    hooks: bool = False,
-    n_batches: int = 1,
-    count: bool = False,
-) -> dict[str, Any]:
-    """One engine (``config``: one of :data:`CONFIGS`), its timed batches (in this process);
-    ``count``: the Python calls of the one timed batch counted instead (:class:`CallCount`)."""
+def build_engine(model: str, config: str, requests: int, sock: str, backend: str | None = None) -> Any:
+    """One offline engine (``config``: one of :data:`CONFIGS`) on ``model``, warmed up; with
+    gpuckpt, its control socket at ``sock``. ``backend``: vLLM's executor (``mp`` keeps the worker
+    in its own process even when the EngineCore runs in this one)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    spent, calls = time_hooks() if hooks else (None, {})
-    kw: dict[str, object] = {}
+    kw: dict[str, object] = {} if backend is None else {"distributed_executor_backend": backend}
     if config == "with":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="GpuckptConnector",
@@ -174,18 +171,45 @@ def run_one(
         seed=0,
         **kw,
     )
-    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [5 + i, 17, 23 + i, 42] * 8} for i in range(requests)]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    settle_s = 0.0
-    if config == "with" and not hooks and not count:
-        # gpuckpt works the worker's description out once, in a thread beside the engine's start
-        # (a restore at start asks for it first): the steady state begins once it is done
-        from agent import session
+    llm.generate(batch(requests)[:2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return llm
 
-        t = time.perf_counter()
-        session.describe(sock)
-        settle_s = time.perf_counter() - t
+
+def batch(requests: int) -> list[dict[str, list[int]]]:
+    """The measured batch's prompts: ``requests`` distinct 32-token prompts."""
+    return [{"prompt_token_ids": [5 + i, 17, 23 + i, 42] * 8} for i in range(requests)]
+
+
+def settle(sock: str) -> float:
+    """Wait for gpuckpt's description of the worker, worked out once in a thread beside the
+    engine's start (a restore at start asks for it first): the steady state begins once it is
+    done. Returns the seconds waited."""
+    from agent import session
+
+    t = time.perf_counter()
+    session.describe(sock)
+    return time.perf_counter() - t
+
+
+def run_one(
+    model: str,
+    config: str,
+    requests: int,
+    tokens: int,
+    sock: str,
+    hooks: bool = False,
+    n_batches: int = 1,
+    count: bool = False,
+) -> dict[str, Any]:
+    """One engine (``config``: one of :data:`CONFIGS`), its timed batches (in this process);
+    ``count``: the Python calls of the one timed batch counted instead (:class:`CallCount`)."""
+    from vllm import SamplingParams
+
+    spent, calls = time_hooks() if hooks else (None, {})
+    llm = build_engine(model, config, requests, sock)
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompts = batch(requests)
+    settle_s = settle(sock) if config == "with" and not hooks and not count else 0.0
     if spent is not None:
         spent.clear()
         calls.clear()
@@ -219,6 +243,43 @@ def run_one(
         "num_gpu_blocks": float(cfg.cache_config.num_gpu_blocks or 0),
         "hybrid_manager_off": float(bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)),
     }
+
+
+def run_switched(model: str, rounds: int, requests: int, tokens: int, sock: str, count: bool = False) -> dict[str, Any]:
+    """One engine built with gpuckpt's connector and switched between batches to each of
+    :data:`CONFIGS` (:mod:`connector_switch`), ``rounds`` rounds in alternating order; the EngineCore
+    runs in this process, the worker in its own (vLLM's ``mp`` executor, as a served worker has).
+    Returns each configuration's ms a step, batch by batch; ``count``: one counted batch per
+    configuration instead, the worker in this process too (``uni``) so that its calls count."""
+    from connector_switch import EngineSwitch
+    from vllm import SamplingParams
+
+    llm = build_engine(model, "with", requests, sock, backend="uni" if count else "mp")
+    settle(sock)
+    switch = EngineSwitch(llm)
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompts = batch(requests)
+    if count:
+        calls: dict[str, float] = {}
+        for cfg in CONFIGS:
+            switch.use(cfg)
+            llm.generate(prompts, sp, use_tqdm=False)  # the first batch after a switch is not counted
+            counted = CallCount()
+            sys.setprofile(counted)
+            try:
+                llm.generate(prompts, sp, use_tqdm=False)
+            finally:
+                sys.setprofile(None)
+            calls[cfg] = counted.by_kind["total"] / tokens
+        return {"calls": calls}
+    ms: dict[str, list[float]] = {cfg: [] for cfg in CONFIGS}
+    for rnd in range(rounds):
+        for cfg in CONFIGS if rnd % 2 == 0 else reversed(CONFIGS):
+            switch.use(cfg)
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            ms[cfg].append((time.perf_counter() - t0) * 1000 / tokens)
+    return {"ms": ms}
 
 
 LABEL = {"without": "no connector", "noop": "no-op connector", "with": "gpuckpt"}
@@ -274,20 +335,28 @@ def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10_000) -> 
 
 #: one run's line per engine, as :func:`main` prints it (what ``--pool`` reads back)
 ROUND_LINE = re.compile(r"^(\w+) round (\d+)\s+(.+?):\s+([\d.]+) tok/s")
+#: one switched engine's round, as :func:`switched_figures` prints it, and its configurations in it
+SWITCHED_LINE = re.compile(r"^(\w+) switched round (\d+): (.+) ms/step$")
+SWITCHED_CONFIG = re.compile(r"(no connector|no-op connector|gpuckpt) ([\d.]+)")
 
 
 def pool(logs: list[str]) -> list[str]:
     """The ratios of every round of the saved runs ``logs`` (this script's output) together, per
-    model and per pair of configurations that ran in the same rounds: one line each."""
+    model, per comparison (fresh engines or one switched engine) and per pair of configurations
+    that ran in the same rounds: one line each."""
     ratios: dict[tuple[str, str, str], list[float]] = {}
     runs: dict[tuple[str, str, str], set[str]] = {}
     pairs = [("with", "without"), ("noop", "without"), ("with", "noop")]
     for log in logs:
+        # (model, round) → configuration → throughput (any unit: only ratios within a round count)
         rounds: dict[tuple[str, int], dict[str, float]] = {}
         for line in Path(log).read_text().splitlines():
             if m := ROUND_LINE.match(line):
                 rounds.setdefault((m[1], int(m[2])), {})[m[3].strip()] = float(m[4])
-        if not rounds:  # not this script's output, or its round lines changed without ROUND_LINE
+            elif m := SWITCHED_LINE.match(line):
+                tput = {label: 1 / float(x) for label, x in SWITCHED_CONFIG.findall(m[3])}
+                rounds[(f"{m[1]} (one engine, switched)", int(m[2]))] = tput
+        if not rounds:  # not this script's output, or its round lines changed without the patterns
             sys.exit(f'{log}: no round lines ("<model> round <n> <configuration>: <x> tok/s") in it')
         for (model, _), tput in rounds.items():
             for a, b in pairs:
@@ -338,9 +407,60 @@ def child(model: Path, what: str, env: dict[str, str], args: list[str]) -> dict[
     return result
 
 
+def switched_figures(name: str, model: Path, in_process: dict[str, str], sizes: list[str], rounds: int) -> list[str]:
+    """The same-process comparison (:func:`run_switched`): its summary lines, after printing its
+    rounds. Its call count is checked against a fresh engine without a connector: switched off,
+    the engine must run vLLM's no-connector path."""
+    # the EngineCore in the child's process (to switch its scheduler), the worker in its own
+    r = child(
+        model, f"{name} switched run", in_process, ["--child", "switched", *sizes, "--switched-rounds", str(rounds)]
+    )
+    ms: dict[str, list[float]] = r["ms"]
+    for i in range(rounds):
+        print(
+            f"{name} switched round {i + 1}: " + "  ".join(f"{LABEL[c]} {ms[c][i]:.3f}" for c in CONFIGS) + " ms/step",
+            flush=True,
+        )
+    counted = child(model, f"{name} switched call count", in_process, ["--child", "switched", "--count", *sizes])
+    fresh = child(model, f"{name} without call count", in_process, ["--child", "without", "--count", *sizes])
+    calls = counted["calls"]
+
+    def ratio(a: str, b: str) -> str:
+        # throughput a ÷ b, round by round: b's time a step ÷ a's
+        xs = [y / x for x, y in zip(ms[a], ms[b], strict=True)]
+        lo, hi = median_ci(xs)
+        return f"{statistics.median(xs):.3f} (95 % CI {lo:.3f}–{hi:.3f})"
+
+    extra = statistics.median([(w - o) * 1000 for w, o in zip(ms["with"], ms["without"], strict=True)])
+    # switched off, the engine must run vLLM's no-connector path call for call (what is left is the
+    # previous batch's requests being removed: 16 here against a fresh engine's 2 of the warm-up)
+    drift = calls["without"] / fresh["calls:total"] - 1
+    check = (
+        f"within {abs(drift) * 100:.1f} %"
+        if abs(drift) <= 0.01
+        else f"OFF BY {drift * 100:+.1f} %: switched off, this is not vLLM's no-connector path; the figures are void"
+    )
+    return [
+        f"{name}: decode throughput, one engine switched between configurations batch by batch "
+        f"({rounds} rounds): gpuckpt ÷ none = {ratio('with', 'without')} (target ≥ 0.98); "
+        f"no-op connector ÷ none = {ratio('noop', 'without')}; gpuckpt ÷ no-op = {ratio('with', 'noop')}; "
+        f"{extra:+.0f} µs per engine step (median of rounds, gpuckpt − none, of a "
+        f"{statistics.median(ms['without']):.2f} ms step)",
+        f"{name}: function calls a step, the switched engine: none {calls['without']:.0f} (a fresh engine "
+        f"without a connector: {fresh['calls:total']:.0f}, {check}), no-op {calls['noop']:.0f}, "
+        f"gpuckpt {calls['with']:.0f}",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=10, help="rounds of fresh engines, one per configuration")
+    ap.add_argument(
+        "--switched-rounds",
+        type=int,
+        default=40,
+        help="rounds of one engine switched between the configurations batch by batch (0: none)",
+    )
     ap.add_argument(
         "--noop", action="store_true", help="add a no-op connector (vLLM's own connector cost, apart from gpuckpt's)"
     )
@@ -349,7 +469,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, default=3, help="timed batches per engine; the fastest counts")
     ap.add_argument("--pool", nargs="+", metavar="LOG", help="pool the rounds of saved runs' output; run nothing")
-    ap.add_argument("--child", choices=[*CONFIGS, "hooks"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=[*CONFIGS, "hooks", "switched"], help=argparse.SUPPRESS)
     ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -362,7 +482,10 @@ def main() -> None:
             config = "with" if a.child == "hooks" else a.child
             sock = os.path.join(d, "c.sock")
             n = 1 if a.count else a.batches
-            r = run_one(a.model, config, a.requests, a.tokens, sock, a.child == "hooks", n, a.count)
+            if a.child == "switched":
+                r = run_switched(a.model, a.switched_rounds, a.requests, a.tokens, sock, a.count)
+            else:
+                r = run_one(a.model, config, a.requests, a.tokens, sock, a.child == "hooks", n, a.count)
         print("RESULT " + json.dumps(r), flush=True)
         os._exit(0)  # vLLM's engine process can hold a clean exit up (multiprocessing's join at exit)
     root = Path(os.environ.get("GPUCKPT_BENCH_MODELS", Path(tempfile.gettempdir()) / "gpuckpt-bench-models"))
@@ -377,6 +500,8 @@ def main() -> None:
     summary = []
     for name in a.models.split(","):
         model = models[name]()
+        if a.switched_rounds > 0:
+            summary += switched_figures(name, model, in_process, sizes, a.switched_rounds)
         results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
         for rnd in range(a.rounds):
             order = list(configs) if rnd % 2 == 0 else list(reversed(configs))
@@ -392,6 +517,8 @@ def main() -> None:
                     + ("  (hybrid KV cache manager OFF)" if r["hybrid_manager_off"] else ""),
                     flush=True,
                 )
+        if not a.rounds:  # the switched engine's figures only
+            continue
         ratios = paired(results, "with", "without")
         cpu_ratios = paired(results, "with", "without", "tokens_per_cpu_s")
         extra = [w["ms_per_step"] - o["ms_per_step"] for w, o in zip(results["with"], results["without"], strict=True)]
