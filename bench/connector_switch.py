@@ -73,8 +73,7 @@ class EngineSwitch:
         self.connectors = _connectors(
             core.vllm_config, KVConnectorRole.SCHEDULER, self.scheduler.kv_cache_config, gpuckpt
         )
-        if self.connectors["noop"] is not None:
-            self.connectors["noop"].bind_kv_cache_manager(self.scheduler.kv_cache_manager)
+        self.connectors["noop"].bind_kv_cache_manager(self.scheduler.kv_cache_manager)
 
     def use(self, config: str) -> None:
         """Make the engine run ``config`` (``without``, ``noop`` or ``with``) from its next step on;
