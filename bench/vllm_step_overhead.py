@@ -407,10 +407,12 @@ def child(model: Path, what: str, env: dict[str, str], args: list[str]) -> dict[
     return result
 
 
-def switched_figures(name: str, model: Path, in_process: dict[str, str], sizes: list[str], rounds: int) -> list[str]:
+def switched_figures(
+    name: str, model: Path, in_process: dict[str, str], sizes: list[str], rounds: int, fresh: float
+) -> list[str]:
     """The same-process comparison (:func:`run_switched`): its summary lines, after printing its
-    rounds. Its call count is checked against a fresh engine without a connector: switched off,
-    the engine must run vLLM's no-connector path."""
+    rounds. Its call count is checked against ``fresh``, a fresh engine's without a connector:
+    switched off, the engine must run vLLM's no-connector path."""
     # the EngineCore in the child's process (to switch its scheduler), the worker in its own
     r = child(
         model, f"{name} switched run", in_process, ["--child", "switched", *sizes, "--switched-rounds", str(rounds)]
@@ -421,9 +423,7 @@ def switched_figures(name: str, model: Path, in_process: dict[str, str], sizes: 
             f"{name} switched round {i + 1}: " + "  ".join(f"{LABEL[c]} {ms[c][i]:.3f}" for c in CONFIGS) + " ms/step",
             flush=True,
         )
-    counted = child(model, f"{name} switched call count", in_process, ["--child", "switched", "--count", *sizes])
-    fresh = child(model, f"{name} without call count", in_process, ["--child", "without", "--count", *sizes])
-    calls = counted["calls"]
+    calls = child(model, f"{name} switched call count", in_process, ["--child", "switched", "--count", *sizes])["calls"]
 
     def ratio(a: str, b: str) -> str:
         # throughput a ÷ b, round by round: b's time a step ÷ a's
@@ -434,7 +434,7 @@ def switched_figures(name: str, model: Path, in_process: dict[str, str], sizes: 
     extra = statistics.median([(w - o) * 1000 for w, o in zip(ms["with"], ms["without"], strict=True)])
     # switched off, the engine must run vLLM's no-connector path call for call (what is left is the
     # previous batch's requests being removed: 16 here against a fresh engine's 2 of the warm-up)
-    drift = calls["without"] / fresh["calls:total"] - 1
+    drift = calls["without"] / fresh - 1
     check = (
         f"within {abs(drift) * 100:.1f} %"
         if abs(drift) <= 0.01
@@ -447,7 +447,7 @@ def switched_figures(name: str, model: Path, in_process: dict[str, str], sizes: 
         f"{extra:+.0f} µs per engine step (median of rounds, gpuckpt − none, of a "
         f"{statistics.median(ms['without']):.2f} ms step)",
         f"{name}: function calls a step, the switched engine: none {calls['without']:.0f} (a fresh engine "
-        f"without a connector: {fresh['calls:total']:.0f}, {check}), no-op {calls['noop']:.0f}, "
+        f"without a connector: {fresh:.0f}, {check}), no-op {calls['noop']:.0f}, "
         f"gpuckpt {calls['with']:.0f}",
     ]
 
@@ -500,8 +500,15 @@ def main() -> None:
     summary = []
     for name in a.models.split(","):
         model = models[name]()
+        # what each configuration's engine thread calls a step, fresh engines: the same on every run
+        # (the fresh rounds' figure, and the check of the switched engine against no connector)
+        counts = {
+            cfg: child(model, f"{name} {cfg} call count", in_process, ["--child", cfg, "--count", *sizes])
+            for cfg in (configs if a.rounds else ("without",))
+        }
         if a.switched_rounds > 0:
-            summary += switched_figures(name, model, in_process, sizes, a.switched_rounds)
+            fresh = counts["without"]["calls:total"]
+            summary += switched_figures(name, model, in_process, sizes, a.switched_rounds, fresh)
         results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
         for rnd in range(a.rounds):
             order = list(configs) if rnd % 2 == 0 else list(reversed(configs))
@@ -532,11 +539,6 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f}" for v, k in top[:4])
             + ")"
         )
-        # what each configuration's engine thread calls a step: the same on every run
-        counts = {
-            cfg: child(model, f"{name} {cfg} call count", in_process, ["--child", cfg, "--count", *sizes])
-            for cfg in configs
-        }
         base = counts["without"]["calls:total"]
         calls_line = (
             f"{name}: function calls a step on the engine's thread (counted, the same every run): "
