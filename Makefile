@@ -44,7 +44,7 @@ $(SGSTAMP): pyproject.toml tests/sglang/requirements.txt tests/sglang/constraint
 sglang-venv: $(SGSTAMP)
 
 test: $(STAMP) $(SGSTAMP)
-	GPUCKPT_REQUIRE_SGLANG=1 GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) -m pytest -q -p no:cacheprovider
+	GPUCKPT_REQUIRE_SGLANG=1 GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckpt cli agent tests bench
