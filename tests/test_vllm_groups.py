@@ -70,16 +70,58 @@ def test_mla_and_chunked_local_attention_are_carried() -> None:
     assert signature(groups) == "g0=chunked_local:128/2;g1=full/2"
 
 
-def test_a_state_space_group_is_named_and_nothing_is_carried() -> None:
-    """A hybrid SSM model (Jamba, Nemotron-H, Qwen3-Next's Gated DeltaNet) starts with the
-    allocator on; its KV is not carried — a request needs every group — and the reason names the
-    group."""
-    mamba = MambaSpec(block_size=BS, shapes=((4, 64), (8, 16)), dtypes=(torch.float32, torch.float32))
-    groups = kv_groups(config(full(), mamba), BS)
+def mamba(mode: str = "align", *, padded: int | None = None) -> MambaSpec:
+    """A state group's spec as vLLM builds it for prefix caching: its page padded to an attention
+    layer's (``full()``: 2 heads × 64 × bf16 × K/V × 16 tokens)."""
+    return MambaSpec(
+        block_size=BS,
+        shapes=((4, 64), (8, 16)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode=mode,
+        page_size_padded=full().page_size_bytes if padded is None else padded,
+    )
+
+
+def test_a_state_space_group_in_align_mode_is_carried() -> None:
+    """Qwen3-Next's Gated DeltaNet, Jamba's or Nemotron-H's Mamba layers beside attention, with
+    prefix caching on (vLLM's ``mamba_cache_mode='align'``)."""
+    groups = kv_groups(config(full(), mamba()), BS)
+    assert carried(groups) == groups
+    assert not_carried(groups) is None
+    assert signature(groups) == "g0=full/2;g1=mamba/2"
+    assert [g.keeps_every_block for g in groups] == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("spec", "tp", "layers", "why"),
+    [
+        (lambda: mamba("none"), 1, 2, "mamba_cache_mode='none' keeps no state a later request can hit"),
+        (mamba, 2, 2, "state-space state is carried at tensor parallel size 1 only (this is 2)"),
+        (lambda: mamba(padded=4096), 1, 2, "bytes) differs from another group's"),
+        (mamba, 1, 3, "its layers fill 3 physical slots and attention layers only 2"),
+    ],
+)
+def test_a_state_space_group_it_cannot_carry_is_named_and_nothing_is_carried(
+    spec: object, tp: int, layers: int, why: str
+) -> None:
+    """The worker starts all the same (the allocator on); no group is carried — a request needs
+    every group — and the reason names the group."""
+    cfg = config(full(), spec())  # type: ignore[operator]
+    if layers != 2:  # a state group with a layer in a slot no attention layer shares
+        cfg.kv_cache_groups[1].layer_names.append("model.layers.9.linear_attn")
+    groups = kv_groups(cfg, BS, tp=tp)
     assert carried(groups) == []
-    why = not_carried(groups)
-    assert why is not None
-    assert why.startswith("KV cache group 1 (MambaSpec, 2 layers): MambaSpec: state-space")
+    got = not_carried(groups)
+    assert got is not None
+    assert why in got, got
+    assert "KV cache group" in got
+
+
+def test_a_state_space_model_without_attention_is_not_carried() -> None:
+    """Pages are read through attention layers' views: an SSM-only model has none."""
+    groups = kv_groups(config(mamba()), BS)
+    assert carried(groups) == []
+    assert "its layers fill 2 physical slots and attention layers only 0" in str(not_carried(groups))
 
 
 def test_groups_whose_pages_read_differently_are_not_carried() -> None:
@@ -199,3 +241,44 @@ def test_the_hit_starts_after_the_local_one(start: int) -> None:
     )
     assert end == 6 * BS
     assert keys == hs[start // BS : 6]
+
+
+def state_rule(index: int) -> GroupRule:  # vLLM's MambaManager.get_num_skipped_tokens: all but the last token
+    return GroupRule(index, lambda end: end - 1, state=True)
+
+
+def test_a_state_group_hit_ends_where_its_state_was_taken() -> None:
+    """A state block holds the state after exactly the tokens its key names: the hit ends at the
+    block boundary whose state is offered, never between two (the attention group has more)."""
+    hs = hashes(6)
+    rules = [GroupRule(0, None), state_rule(1)]
+    have = offer(hs, {0: range(0, 6), 1: [1, 3]})  # states after 2 and 4 blocks
+    n = 6 * BS + 5
+    end, keys = plan_hit(n=n, start=0, bs=BS, hashes=hs, rules=rules, have=have.__contains__, tail=no_tail)
+    assert end == 4 * BS
+    assert keys == hs[:4]
+    # a prompt ending just past the boundary: the hit still ends at it, not at n - 1
+    end, _ = plan_hit(n=4 * BS + 1, start=0, bs=BS, hashes=hs, rules=rules, have=have.__contains__, tail=no_tail)
+    assert end == 4 * BS
+    # a request of exactly four blocks cannot use the state after all four (nothing left to compute)
+    end, _ = plan_hit(n=4 * BS, start=0, bs=BS, hashes=hs, rules=rules, have=have.__contains__, tail=no_tail)
+    assert end == 2 * BS
+
+
+def test_a_state_group_tail_is_used_only_at_its_exact_end() -> None:
+    """A live request's running state, carried as a tail of ``length`` tokens: the hit ends exactly
+    there when it leaves a token to compute; otherwise it falls back to a boundary."""
+    hs = hashes(2)
+    tk = hashlib.sha256(b"running state").digest()
+    rules = [GroupRule(0, None), state_rule(1)]
+    have = offer(hs, {0: range(0, 2), 1: [1]}) | {group_key(tk, 0), group_key(tk, 1)}
+
+    def tail(i: int, length: int) -> bytes | None:
+        return tk if (i, length) == (2, 9) else None
+
+    end, keys = plan_hit(n=2 * BS + 10, start=0, bs=BS, hashes=hs, rules=rules, have=have.__contains__, tail=tail)
+    assert end == 2 * BS + 9
+    assert keys == [*hs, tk]
+    # the same tail covering every token of a shorter request: not usable, the boundary is
+    end, _ = plan_hit(n=2 * BS + 9, start=0, bs=BS, hashes=hs, rules=rules, have=have.__contains__, tail=tail)
+    assert end == 2 * BS

@@ -6,9 +6,12 @@ layer slides: one sliding group). Each is checkpointed mid-decode with prompts a
 past the window — blocks have left it — and restored into a fresh engine, warm and token-exact;
 the KV capacity vLLM allocates with gpuckpt loaded equals the capacity without it.
 
-A tiny Qwen3-Next (Gated DeltaNet linear attention: a state-space group gpuckpt does not carry
-yet) starts with the allocator on too; its checkpoint holds the ledger and no pages, and its
-restore is cold with the group named.
+A tiny Qwen3-Next (Gated DeltaNet linear attention and full attention: a state-space group in
+vLLM's ``mamba_cache_mode='align'``, 160-token blocks) starts with the allocator on too; its
+state blocks are carried — the running state of each request in flight, the states at block
+boundaries vLLM keeps — and it restores warm and token-exact. At tensor parallel size 2, where
+gpuckpt does not carry the state group, it starts all the same; its checkpoint holds the ledger
+and no pages, and its restore is cold with the group named.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.models import write_tiny_qwen3_next, write_tiny_sliding
-from tests.harness.vllm import run_workers
+from tests.harness.vllm import run_worker, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +42,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "model": str(write_tiny_qwen3_next(tmp / "model-qwen3next")),
         "repo": str(tmp / "repo-qwen3next"),
         "dtype": "bfloat16",
+        # vLLM makes its blocks 256 tokens (a state block's page): a system prompt past the first
+        # block boundary gives every request a state there to hit
+        "system_len": 300,
         # vLLM's CPU build fails seeded sampling on this model ("CPU Generator does not use offset",
         # raised in its model runner's own bookkeeping): greedy requests only
         "seeded": False,
@@ -50,8 +56,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for k in every
     }
     jobs |= {f"{k}-plain": {**base[k], **at(k, "plain"), "mode": "capacity", "connector": False} for k in KINDS}
+    # every load of the restore fails (two KV cache groups: vLLM takes no failed block ids from such
+    # a worker, only failed requests)
+    jobs["gemma3-fail"] = {
+        **jobs["gemma3-b"],
+        **at("gemma3", "fail"),
+        "inject_faults": ["start_load_kv"],
+    }
     done = run_workers(jobs, tmp)
     runs = {k: {"a": a[k], "b": done[f"{k}-b"], "plain": done[f"{k}-plain"]} for k in KINDS}
+    runs["gemma3"]["fail"] = done["gemma3-fail"]
     return runs | {"qwen3next": {"a": a["qwen3next"], "b": done["qwen3next-b"]}}
 
 
@@ -97,6 +111,23 @@ def test_next_turn_finds_what_the_uninterrupted_engine_kept(runs: dict, kind: st
         assert got >= kept > 64, (rid, got, kept)
 
 
+def test_failed_loads_of_a_hybrid_worker_are_recomputed_and_never_take_it_down(runs: dict) -> None:
+    """With two KV cache groups a load is reported failed by request (``failed_recving``), never by
+    block id (vLLM raises on those for such a worker, taking the engine down): every load of the
+    restore failing, each request is recomputed and continues token-exact."""
+    a, f = runs["gemma3"]["a"], runs["gemma3"]["fail"]
+    assert f["warm"], f["reasons"]
+    st = f["connector_after_restore"]
+    assert st["restored_tokens"], st  # loads were planned ...
+    assert set(st["load_failed_requests"]) == set(st["restored_tokens"]), st  # ... and every one failed
+    assert set(f["restored"]) == set(a["reference"])
+    for rid, r in f["restored"].items():
+        if rid != "seeded0":  # (its sampler state goes with the failed hook's other work)
+            assert r["full"] == a["reference"][rid], rid
+        # nothing was loaded: recomputed, but for the system prompt another request recomputed first
+        assert r["num_cached_tokens"] <= 64, (rid, r)
+
+
 def test_models_are_what_they_claim(runs: dict) -> None:
     """The Gemma-3-style model has two KV cache groups (sliding, full), the Mistral-style one a
     single sliding group: both recorded in the checkpoint's pins, group by group."""
@@ -109,8 +140,52 @@ def test_write_tiny_sliding_refuses_an_unknown_kind(tmp_path: Path) -> None:
         write_tiny_sliding(tmp_path, kind="jamba")
 
 
-def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_group(runs: dict) -> None:
+def test_a_state_space_model_restores_warm_and_token_exact(runs: dict) -> None:
+    """Qwen3-Next (Gated DeltaNet state + full attention, vLLM's ``mamba_cache_mode='align'``): the
+    state blocks are carried — in flight, the running state after exactly the computed tokens;
+    in the prefix cache, the state at each block boundary vLLM kept — and the restored requests
+    continue token-exact from them."""
     a, b = runs["qwen3next"]["a"], runs["qwen3next"]["b"]
+    assert not a["kv"]["hybrid_manager_off"], "a hybrid SSM model needs the hybrid KV cache manager"
+    assert a["kv_groups"] == "g0=mamba/2;g1=full/2"
+    assert a["checkpoint_stats"]["pages"] > 0
+    assert b["warm"], b["reasons"]
+    assert b["restore_stats"]["failed_blocks"] == 0
+    assert set(b["restored"]) == set(a["reference"])
+    for rid, r in b["restored"].items():
+        assert r["full"] == a["reference"][rid], rid
+    loaded = b["connector_after_restore"]["restored_tokens"]
+    for rid, r in b["restored"].items():
+        assert r["prompt_len"] - r["num_cached_tokens"] <= 1, (rid, r)
+        assert loaded[rid] > 0, rid
+    for rid in a["turn1"]:
+        got, kept = b["turn2"][rid + "-t2"]["num_cached_tokens"], a["turn2"][rid + "-t2"]["num_cached_tokens"]
+        assert got >= kept >= 256, (rid, got, kept)
+
+
+@pytest.fixture(scope="module")
+def uncarried(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The same Qwen3-Next at tensor parallel size 2, where its state group is not carried (a state
+    block is split between ranks by heads of its own, not by attention heads): checkpointed and
+    restored, each worker alone on the CPUs (two ranks)."""
+    tmp = tmp_path_factory.mktemp("vllm-hybrid-tp2")
+    base = {
+        "model": str(write_tiny_qwen3_next(tmp / "model")),
+        "repo": str(tmp / "repo"),
+        "dtype": "bfloat16",
+        "seeded": False,
+        "system_len": 300,
+        "max_tokens": 60,
+        "tp": 2,
+    }
+    at = {n: {"socket": str(tmp / f"{n}.sock"), "staging": str(tmp / f"stage-{n}")} for n in "ab"}
+    a = run_worker({**base, **at["a"], "mode": "checkpoint"}, tmp, kill_after_result=True)
+    b = run_worker({**base, **at["b"], "mode": "restore", "checkpoint": a["checkpoint"], "turn1": a["turn1"]}, tmp)
+    return {"a": a, "b": b}
+
+
+def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_group(uncarried: dict) -> None:
+    a, b = uncarried["a"], uncarried["b"]
     assert not a["kv"]["hybrid_manager_off"], "a hybrid SSM model needs the hybrid KV cache manager"
     assert a["kv_groups"] == "g0=MambaSpec/2;g1=full/2"
     assert a["checkpoint_stats"]["pages"] == 0
@@ -118,4 +193,5 @@ def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_grou
     assert not b["warm"]
     named = [r for r in b["reasons"] if r.startswith("KV not carried (checkpoint): KV cache group 0 (MambaSpec")]
     assert named, b["reasons"]
+    assert "tensor parallel size 1 only" in named[0], named
     assert set(b["restored"]) == set(a["reference"])  # resubmitted, recomputed

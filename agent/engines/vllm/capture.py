@@ -45,6 +45,9 @@ class CopyJob:
     memory) into the page file :meth:`file` names in ``directory`` and
     reports it under :attr:`job` in its worker metadata. ``generators``: also
     read the seeded requests' sampler states (the consistent point, chunk 0).
+    ``before``: pages to copy *before* the step's forward (``handle_preemptions``), written with
+    the others — a state group's running blocks, whose state after exactly the tokens computed
+    so far the forward overwrites in place (chunk 0).
     """
 
     seq: int
@@ -54,6 +57,7 @@ class CopyJob:
     pages: list[tuple[str, int]]  # (key hex, block id)
     tails: list[str] = field(default_factory=list)  # finished requests' stored tails (key hex)
     generators: bool = False
+    before: list[tuple[str, int]] = field(default_factory=list)  # (key hex, block id)
 
     @property
     def job(self) -> str:

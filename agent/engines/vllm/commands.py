@@ -68,7 +68,7 @@ from agent.engines.service import InjectedFault, Reply, Waiter, WorkerService
 from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, chunk_pages
 from agent.engines.vllm.capture import CopyJob, Pending, Stream
 from agent.engines.vllm.describe import describe
-from agent.engines.vllm.groups import GroupRule, carried, group_key, kv_groups, not_carried
+from agent.engines.vllm.groups import STATE, GroupRule, carried, group_key, kv_groups, not_carried
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
 from agent.engines.vllm.meta import tail_key
 from agent.fs import Trust
@@ -137,7 +137,7 @@ class VllmService(WorkerService):
         )
         # the KV cache groups (the hybrid allocator): each page is one group's block; none is
         # carried when one cannot be (see .groups)
-        self.groups = kv_groups(kv_cache_config, self.block_size)
+        self.groups = kv_groups(kv_cache_config, self.block_size, tp=self.tp)
         self.carried = carried(self.groups)
         self.kv_not_carried = not_carried(self.groups)
         self.rules: list[GroupRule] | None = None  # built once the KV cache manager is bound
@@ -171,6 +171,7 @@ class VllmService(WorkerService):
         # until the agent says they are ready, the offer ends, or no part comes for its await_s.
         self.offered_event = threading.Event()  # set by each offer: an engine idle on awaited requests wakes
         self.restored: dict[str, int] = {}  # client request id → tokens loaded
+        self.load_failed: set[str] = set()  # client request ids whose load failed (by request)
         # client request id → {"generator_state", "prior_outputs", "grammar_outputs", "ids", "match"}
         self.state_offer: dict[str, dict[str, Any]] = {}
         # another client id a state's request may run under (the API server's id for the agent's
@@ -248,6 +249,9 @@ class VllmService(WorkerService):
     def engine_stats(self) -> dict[str, Any]:
         return {
             "restored_tokens": dict(self.restored),
+            # requests whose pages failed to load (several KV cache groups: reported by request),
+            # recomputed from scratch
+            "load_failed_requests": sorted(self.load_failed),
             "step": self.step,
             "live": len(self.live),
             "awaiting": len(self.offers.awaiting),
@@ -265,6 +269,64 @@ class VllmService(WorkerService):
 
     # ------------------------------------------------------------------ vLLM's commands
 
+    def block_hashes(self, hashes: Any) -> Any:
+        """A request's block hashes, one per block of the worker's size. vLLM hashes at the pool's
+        ``hash_block_size``, which is smaller when it raised the block size so that a state
+        group's page fits (Qwen3-Next: blocks of 256, hashes of the configured 32); a block's
+        hash is then the last one inside it, as vLLM's own view (``BlockHashListWithBlockSize``)
+        and the prefix cache's map of full blocks name it."""
+        hb = int(getattr(self.pool, "hash_block_size", 0) or self.block_size)
+        if hb == self.block_size:
+            return hashes
+        from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
+
+        return BlockHashListWithBlockSize(hashes, hb, self.block_size)
+
+    def running_states(
+        self,
+        req: Request,
+        hashes: Any,
+        groups: list[tuple[int, list[int]]],
+        states: set[int],
+        before: dict[bytes, int],
+        mutable: dict[bytes, int],
+        cached: dict[bytes, Any],
+    ) -> int:
+        """A live request's pages in a worker with a state group (lock held); the tokens they carry.
+
+        The state group's page is the request's running state *before* this step: the state after
+        exactly the tokens computed so far, in the block vLLM keeps it in (``cdiv(computed, bs) -
+        1``), which the step's forward advances in place — so it is copied before the forward
+        (``before``). The restored request then hits up to those tokens, computes the rest, and
+        continues from the exact next token; a state after the step's tokens would leave it
+        nothing to compute. Its key is a block's at a boundary, else a tail's, and each attention
+        group's page of that tail is taken too (full blocks are taken already). 0 when the state
+        block is not there."""
+        bs = self.block_size
+        pre = int(req.num_computed_tokens)
+        n_pre = pre // bs
+        if pre <= 0 or n_pre > len(hashes):
+            return 0
+        idx = (pre - 1) // bs
+        if any(idx >= len(ids) for _, ids in groups):
+            return 0
+        if pre % bs == 0:
+            base = bytes(hashes[n_pre - 1])
+        else:
+            parent = bytes(hashes[n_pre - 1]) if n_pre else b""
+            lora = getattr(req.lora_request, "lora_name", None)
+            base = tail_key(parent, req.all_token_ids[n_pre * bs : pre], req.cache_salt, lora)
+        null = int(self.pool.null_block.block_id) if self.pool is not None else 0
+        for g, ids in groups:
+            key = group_key(base, g)
+            if g in states:
+                if ids[idx] == null:
+                    return 0
+                before[key] = ids[idx]
+            elif pre % bs and key not in cached and ids[idx] != null:
+                mutable.setdefault(key, ids[idx])
+        return pre
+
     def on_keys(self, msg: Keys) -> Reply:
         """Each request's page keys, in order (a streaming restore fetches the in-flight requests'
         pages first)."""
@@ -281,7 +343,7 @@ class VllmService(WorkerService):
         salt = r.cache_salt
         rq = Request("gpuckpt-keys", ids[:n], SamplingParams(max_tokens=1), None, cache_salt=salt, block_hasher=hasher)
         bs = self.block_size
-        full = [bytes(h) for h in rq.block_hashes][: n // bs]
+        full = [bytes(h) for h in self.block_hashes(rq.block_hashes)][: n // bs]
         if n % bs and len(full) == n // bs:
             full.append(tail_key(full[-1] if full else b"", ids[len(full) * bs : n], salt, None))
         # every group's page of each block (a windowed group's older ones are not in a checkpoint:
@@ -392,7 +454,9 @@ class VllmService(WorkerService):
             p = cached[key] = Pending(key, int(blk.block_id), k)
             (in_use if blk.ref_cnt > 0 else at_risk).append(p)
         mutable: dict[bytes, int] = {}  # copied at this step: may change or go after it
+        before: dict[bytes, int] = {}  # copied before this step's forward: a state group's running state
         null = int(self.pool.null_block.block_id)
+        states = {g.index for g in self.carried if g.kind == STATE}
         entries = []
         for rid, req in [] if prefix_only else list(self.live.items()):
             if req.is_finished():
@@ -405,32 +469,40 @@ class VllmService(WorkerService):
             except (KeyError, IndexError):
                 per_group = ()
             groups = [(g.index, per_group[g.index]) for g in self.carried] if per_group else []
+            attention = [(g, ids) for g, ids in groups if g not in states]
             n_ids = min((len(ids) for _, ids in groups), default=0)
-            n_full = min(kv_tokens // bs, n_ids, len(req.block_hashes))
+            hashes = self.block_hashes(req.block_hashes)
+            n_full = min(kv_tokens // bs, n_ids, len(hashes))
+            lora = getattr(req.lora_request, "lora_name", None)
+            # A state group's blocks by position are not states at their boundaries (only those the
+            # map names are); its one page of a live request is the running state, below.
             for i in range(n_full):
-                for g, ids in groups:
-                    key = group_key(bytes(req.block_hashes[i]), g)
+                for g, ids in attention:
+                    key = group_key(bytes(hashes[i]), g)
                     if ids[i] != null and key not in cached:  # a windowed group keeps no block out of its window
                         mutable.setdefault(key, ids[i])
             kv_held = n_full * bs
             tail = kv_tokens - kv_held
             if tail > 0 and n_full < n_ids and n_full == kv_tokens // bs:
-                parent = bytes(req.block_hashes[n_full - 1]) if n_full else b""
-                lora = getattr(req.lora_request, "lora_name", None)
+                parent = bytes(hashes[n_full - 1]) if n_full else b""
                 toks = req.all_token_ids[kv_held:kv_tokens]
                 tk = tail_key(parent, toks, req.cache_salt, lora)
-                for g, ids in groups:
+                for g, ids in attention:
                     mutable[group_key(tk, g)] = ids[n_full]
                 kv_held = kv_tokens
+            if states and groups:
+                held = self.running_states(req, hashes, groups, states, before, mutable, cached)
+                kv_held = min(kv_held, held)
             entries.append(request_entry(req, kv_held, self.runner_facts))
         # finished requests' stored tails do not change either: they stream like the cached blocks
-        tails = [] if prefix_only else [k for k in self.tail_keys if k not in cached and k not in mutable]
+        tails = [] if prefix_only else [k for k in self.tail_keys if k not in cached and k not in mutable | before]
         # Incremental: what the repository holds is referenced by the save, not copied.
-        self.offers.durable &= set(cached) | set(mutable) | set(self.tail_keys)
+        self.offers.durable &= set(cached) | set(mutable) | set(before) | set(self.tail_keys)
         skip = set() if any(w.full for w in waiters) else self.offers.durable
-        skipped = [] if prefix_only else [k.hex() for k in (*cached, *mutable) if k in skip]
+        skipped = [] if prefix_only else [k.hex() for k in (*cached, *mutable, *before) if k in skip]
         skipped += [t.hex() for t in tails if t in skip]
         mutable = {k: b for k, b in mutable.items() if k not in skip}
+        before = {k: b for k, b in before.items() if k not in skip}
         stored = [Pending(t, -1, None) for t in tails if t not in skip]
         pending = deque(p for p in (*at_risk, *stored, *in_use) if p.key not in skip)
         self.capture_seq += 1
@@ -441,7 +513,7 @@ class VllmService(WorkerService):
         info: dict[str, Any] = {
             "seq": seq,
             "step": self.step,
-            "pages": len(mutable) + len(pending),
+            "pages": len(mutable) + len(before) + len(pending),
             "skipped": skipped,  # durable: referenced, not copied
             "prefix_pages": len(cached),
             "tail_pages": len(stored),
@@ -479,10 +551,10 @@ class VllmService(WorkerService):
             )
         self.stream = st
         # chunk 0: what may change, topped up to a chunk with blocks that do not
-        room, st.chunk_pages = st.chunk_pages, max(0, st.chunk_pages - len(mutable))
+        room, st.chunk_pages = st.chunk_pages, max(0, st.chunk_pages - len(mutable) - len(before))
         first = st.take(self.still_cached)
         st.chunk_pages = room
-        k = st.issue(len(mutable) + len(first))
+        k = st.issue(len(mutable) + len(before) + len(first))
         return CopyJob(
             seq=seq,
             chunk=k,
@@ -492,6 +564,7 @@ class VllmService(WorkerService):
             + [(p.key.hex(), p.block_id) for p in first if p.lookup is not None],
             tails=[p.key.hex() for p in first if p.lookup is None],
             generators=not prefix_only,
+            before=[(key.hex(), b) for key, b in before.items()],
         )
 
     def first_reply(self, st: Stream, part: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,8 @@ hook                           when vLLM calls it                              s
 ``bind_gpu_block_pool``        once, building the scheduler                    —
 ``bind_kv_cache_manager``      once, building the scheduler                    —
 ``on_new_request``             a request arrives                               nothing
-``get_num_new_matched_tokens`` scheduling a waiting request                    no external hit
+``get_num_new_matched_tokens`` scheduling a waiting request (asynchronous      no external hit
+                               with several KV cache groups: see .scheduler)
 ``update_state_after_alloc``   after its blocks are allocated                  its loads fail
 ``build_connector_meta``       after each step is scheduled                    loads fail, no copy
 ``update_connector_output``    each step's worker output (all ranks folded)    nothing
@@ -36,13 +37,17 @@ step's :class:`.meta.GpuckptMeta`:
 hook                               when                                        safe answer
 =================================  ==========================================  =====================
 ``register_kv_caches``             once, after the caches are allocated        rank disabled
+``handle_preemptions``             before the step's preprocessing: a capture's chunk failed
+                                   pages its forward changes (state blocks)
 ``bind_connector_metadata``        before the forward (an idle step's is not   —
                                    bound: the per-layer hooks are skipped)
-``start_load_kv``                  before the forward                          loads are errors
+``start_load_kv``                  before the forward (loads by request: after loads are errors,
+                                   it, for requests outside the batch)         requests failed
 ``wait_for_layer_load``            per layer (nothing: loads are synchronous)  —
 ``save_kv_layer``                  per layer (nothing: copies wait for save)   —
 ``wait_for_save``                  after the forward                           chunk failed
-``get_finished``                   after the step                              tails sent
+``get_finished``                   after the step (``get_transfer_results``:   tails sent, requests
+                                   and the failed receives)                    received
 ``get_block_ids_with_load_errors`` after the step                              —
 ``build_connector_worker_meta``    after the step                              nothing
 =================================  ==========================================  =====================
@@ -64,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -192,6 +198,10 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
                 log.exception("gpuckpt: an idle step's bookkeeping failed")
         super().bind_connector_metadata(connector_metadata)
 
+    @guard(lambda self, kv_connector_metadata: None)  # wait_for_save then fails the chunk
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._w.copy_before(kv_connector_metadata)
+
     @guard(lambda self, kv_caches: self._w.disable(_DISABLED))
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._w.register_kv_caches(kv_caches)
@@ -215,6 +225,16 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
     @guard(lambda self, finished_req_ids: self._w.get_finished())
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._w.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # get_finished, with the requests loaded by request whose load failed (vLLM releases and
+        # recomputes them: the only load failure it takes from a worker with several KV groups)
+        sending, receiving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(receiving or ()),
+            failed_recving=self._w.take_receive_failures(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w.get_block_ids_with_load_errors()

@@ -15,14 +15,24 @@ for it:
 - **sliding window / chunked local attention**: only the blocks the request
   still attends to — the manager's own ``get_num_skipped_tokens`` says which
   are skipped, and vLLM allocates null blocks for those, so a restored request
-  holds exactly what the uninterrupted engine would have kept.
+  holds exactly what the uninterrupted engine would have kept;
+- **state-space / linear-attention state** (``MambaSpec``: Mamba, Gated
+  DeltaNet), in vLLM's prefix-caching mode ``mamba_cache_mode='align'``: one
+  *state block* per hit, the recurrent state after exactly the tokens the hit
+  ends at. vLLM's map names the state at a block boundary by that block's
+  hash; a live request's running state block (its last) is the state after
+  exactly its computed tokens, carried as a partial tail. So a hit on such a
+  group ends at a block boundary whose state is offered, or at the exact end
+  of an offered tail (:func:`plan_hit`), and vLLM's manager, whose skip rule
+  is "all but the last token", allocates that one block.
 
-A group gpuckpt cannot carry (Mamba / Gated-DeltaNet state, cross-attention,
-a group whose block size or page layout differs from the others', layers of
-mixed page sizes in one group) is *named*: the worker starts with the
-allocator on as always, no page is captured or loaded (a request needs every
-group's KV, so a partial set is worthless), and the ledger replays cold — the
-restore report and ``describe`` say which group and why.
+A group gpuckpt cannot carry (state in ``mamba_cache_mode='none'``, which
+keeps none for a later hit, or at tensor parallel size > 1; cross-attention;
+a group whose block size, page size or page layout differs from the others';
+layers of mixed page sizes in one group) is *named*: the worker starts with
+the allocator on as always, no page is captured or loaded (a request needs
+every group's KV, so a partial set is worthless), and the ledger replays cold
+— the restore report and ``describe`` say which group and why.
 
 Keys: group 0's page keeps vLLM's block hash as its key (so a one-group
 worker's keys are what they always were); group ``g > 0``'s key is a digest of
@@ -31,6 +41,7 @@ the hash and ``g`` of the same length.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +49,8 @@ from typing import Any
 
 #: what an engine that does not report its groups has: one full-attention group
 LEGACY_SIGNATURE = "full"
+#: the kind of a state-space / linear-attention group (vLLM's ``MambaSpec``) gpuckpt carries
+STATE = "mamba"
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,8 @@ class KvGroup:
 
     index: int
     kind: str
-    """``full``, ``sliding_window``, ``chunked_local``, or vLLM's spec class name for others."""
+    """``full``, ``sliding_window``, ``chunked_local``, ``mamba`` (:data:`STATE`), or vLLM's spec
+    class name for others."""
     spec: str
     """vLLM's spec class, e.g. ``SlidingWindowSpec``, ``MLAAttentionSpec``, ``MambaSpec``."""
     layers: int
@@ -57,10 +71,18 @@ class KvGroup:
     """(KV heads, head size, V head size, dtype) of one layer's page; ``()`` where not attention."""
     why_not: str | None = None
     """Why this group is not carried; ``None`` when it is."""
+    page_bytes: int = 0
+    """One layer's page (vLLM's ``page_size_bytes``, padding included); 0 where not known."""
 
     @property
     def carried(self) -> bool:
         return self.why_not is None
+
+    @property
+    def keeps_every_block(self) -> bool:
+        """Whether a request holds every block of its prefix in this group (full attention), rather
+        than a window's or one state block."""
+        return self.window is None and self.kind != STATE
 
     def label(self) -> str:
         """``sliding_window:64`` — the kind with its window, as signatures and reports name it."""
@@ -79,11 +101,12 @@ class KvGroup:
         }
 
 
-def _kind(spec: Any) -> tuple[str, int | None, str | None]:
+def _kind(spec: Any, tp: int) -> tuple[str, int | None, str | None]:
     """(kind, window, why not carried) of one group's spec (late imports: vLLM's own classes)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
@@ -98,6 +121,19 @@ def _kind(spec: Any) -> tuple[str, int | None, str | None]:
         return "sliding_window", int(spec.sliding_window), None
     if type(spec) is ChunkedLocalAttentionSpec:
         return "chunked_local", int(spec.attention_chunk_size), None
+    if type(spec) is MambaSpec:
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            # 'none': one state block per request, overwritten in place, never named in the prefix
+            # cache — nothing a later hit could start from
+            why = f"mamba_cache_mode={mode!r} keeps no state a later request can hit (prefix caching needs 'align')"
+            return name, None, f"{name}: {why}"
+        if int(getattr(spec, "num_speculative_blocks", 0) or 0):
+            return name, None, f"{name}: state blocks of speculative decoding are not carried"
+        if tp > 1:
+            # pages are split between ranks by attention heads; a state block's bytes are not heads
+            return name, None, f"{name}: state-space state is carried at tensor parallel size 1 only (this is {tp})"
+        return STATE, None, None
     if "Mamba" in name:
         return name, None, f"{name}: state-space / linear-attention state is not carried yet"
     if name == "UniformTypeKVCacheSpecs":
@@ -105,13 +141,13 @@ def _kind(spec: Any) -> tuple[str, int | None, str | None]:
     return name, None, f"{name}: this kind of KV cache group is not carried yet"
 
 
-def kv_groups(kv_cache_config: Any, block_size: int) -> list[KvGroup]:
-    """The worker's groups, each with why it is not carried (if so). When one group cannot be
-    carried none is: :func:`carried` is then empty."""
+def kv_groups(kv_cache_config: Any, block_size: int, *, tp: int = 1) -> list[KvGroup]:
+    """The worker's groups (``tp``: its tensor parallel size), each with why it is not carried (if
+    so). When one group cannot be carried none is: :func:`carried` is then empty."""
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
-        kind, window, why = _kind(spec)
+        kind, window, why = _kind(spec, tp)
         layout: tuple[Any, ...] = ()
         if hasattr(spec, "head_size"):
             layout = (
@@ -123,19 +159,39 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> list[KvGroup]:
         bs = int(getattr(spec, "block_size", block_size) or block_size)
         if why is None and bs != block_size:
             why = f"its block size {bs} is not the worker's {block_size}"
-        out.append(KvGroup(i, kind, type(spec).__name__, len(g.layer_names), bs, window, layout, why))
-    layouts = {g.layout for g in out if g.carried}
+        try:
+            page = int(spec.page_size_bytes)
+        except Exception:  # a spec that cannot size its page (not one vLLM builds a worker from)
+            page = 0
+        out.append(KvGroup(i, kind, type(spec).__name__, len(g.layer_names), bs, window, layout, why, page))
+    # The worker half pages by physical slot through an attention layer's view (a state-space
+    # layer shares its slot with one, vLLM pads their pages to one size): every carried attention
+    # group's layer page must read the same, and every carried group's page be as long.
+    layouts = {g.layout for g in out if g.carried and g.layout}
+    pages = {g.page_bytes for g in out if g.carried and g.page_bytes}
     if len(layouts) > 1:
-        # the worker half pages by physical slot through one layer's view: every carried group's
-        # layer page must read the same
+        out = [_refused(g, f"its page layout {g.layout} differs from another group's") if g.carried else g for g in out]
+    elif len(pages) > 1:
         out = [
-            g if not g.carried else _refused(g, f"its page layout {g.layout} differs from another group's") for g in out
+            _refused(g, f"its page ({g.page_bytes} bytes) differs from another group's") if g.carried else g
+            for g in out
         ]
+    elif any(g.carried and g.kind == STATE for g in out):
+        # layer i of every group shares physical slot i: a slot no attention layer is in would
+        # not be paged, and its state would be left out of every page
+        slots = max(g.layers for g in out)
+        paged = max((g.layers for g in out if g.layout), default=0)
+        if paged < slots:
+            why = (
+                f"its layers fill {slots} physical slots and attention layers only {paged}; "
+                "pages are read through an attention layer's view"
+            )
+            out = [_refused(g, why) if g.carried and g.kind == STATE else g for g in out]
     return out
 
 
 def _refused(g: KvGroup, why: str) -> KvGroup:
-    return KvGroup(g.index, g.kind, g.spec, g.layers, g.block_size, g.window, g.layout, why)
+    return dataclasses.replace(g, why_not=why)
 
 
 def carried(groups: list[KvGroup]) -> list[KvGroup]:
@@ -171,10 +227,13 @@ def group_key(base: bytes, group: int) -> bytes:
 class GroupRule:
     """How the scheduler half matches one carried group: ``skipped(end)`` is the group's manager's
     ``get_num_skipped_tokens`` (tokens before the window vLLM gives null blocks), ``None`` for a
-    group that keeps every block."""
+    group that keeps every block. ``state``: the group's one block at the hit's end holds a
+    recurrent state after exactly the tokens its key names (a block's: to the block's end; a
+    tail's: to the tail's end), so a hit can end nowhere else (:data:`STATE`)."""
 
     index: int
     skipped: Callable[[int], int] | None
+    state: bool = False
 
 
 def plan_hit(
@@ -196,8 +255,12 @@ def plan_hit(
     skips the rest, as vLLM's ``allocate_external_computed_blocks`` does). ``end`` leaves at least
     one token to compute. ``tail(i, length)`` is the key of a partial page of ``length`` tokens
     after ``i`` full blocks (a finished turn's tail), tried when the full blocks run out.
+
+    With a state group (``GroupRule.state``) the hit ends exactly where a state was taken: at a
+    block boundary, or at the end of the tail whose page holds it — never short of it.
     """
     s0 = start // bs
+    exact_end = any(r.state for r in rules)
     nfull = min(n // bs, len(hashes))
     full = [r.index for r in rules if r.skipped is None]
     windowed = [r for r in rules if r.skipped is not None]
@@ -216,7 +279,8 @@ def plan_hit(
 
     base = [bytes(h) for h in hashes[s0:run]]
     if run * bs < n and (run > s0 or start % bs == 0):
-        for length in range(min(bs - 1, n - run * bs), 0, -1):
+        # (a state's tail must end before the last token: the hit leaves one to compute)
+        for length in range(min(bs - 1, n - run * bs - exact_end), 0, -1):
             k = tail(run, length)
             if k is not None and all(have(group_key(k, r.index)) for r in rules):
                 end = min(run * bs + length, n - 1)
@@ -227,6 +291,8 @@ def plan_hit(
         end = min(cand * bs, n - 1)
         if end <= start:
             break
+        if exact_end and end != cand * bs:
+            continue  # the state in block cand - 1 is after cand * bs tokens, not end
         if fits(end, base[: cand - s0]):
             return end, base[: cand - s0]
     return start, []

@@ -38,7 +38,11 @@ class GpuckptMeta(KVConnectorMetadata):
     """Scheduler → worker, one per step.
 
     ``loads``: ``(block id, page file index path, key hex)`` to copy into the
-    KV cache before this step's forward. ``capture``: a chunk of a capture to
+    KV cache before this step's forward. ``request_loads``: ``(request id,
+    loads)`` for a worker with several KV cache groups, whose hits load
+    asynchronously: each request is reported received once its pages are in
+    (``get_finished``), or failed (``failed_recving``) if one is not;
+    ``failed_requests``: requests to report failed without a load. ``capture``: a chunk of a capture to
     copy out after the forward (:class:`.CopyJob`).
     ``tails``: ``(key hex, block id, request id)`` partial tails of finished
     requests to copy into the worker's tail store (then report the request
@@ -54,6 +58,8 @@ class GpuckptMeta(KVConnectorMetadata):
     """
 
     loads: list[tuple[int, str, str]] = field(default_factory=list)
+    request_loads: list[tuple[str, list[tuple[int, str, str]]]] = field(default_factory=list)
+    failed_requests: list[str] = field(default_factory=list)
     capture: CopyJob | None = None
     tails: list[tuple[str, int, str]] = field(default_factory=list)
     tail_drop: list[str] = field(default_factory=list)

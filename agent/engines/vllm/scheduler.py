@@ -59,7 +59,7 @@ from agent.engines import staging
 from agent.engines.types import token_digest
 from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
-from agent.engines.vllm.groups import GroupRule, group_key, plan_hit
+from agent.engines.vllm.groups import STATE, GroupRule, group_key, plan_hit
 from agent.engines.vllm.ledger import client_id
 from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta, tail_key
 
@@ -86,6 +86,21 @@ class SchedulerHalf(VllmService):
         self.step_delay = float(extra.get("step_delay_s") or 0.0)
         self.plans: dict[str, tuple[int, list[bytes]]] = {}
         self.loads: list[tuple[int, str, str]] = []
+        # With more than one KV cache group, loads are asynchronous and by request: vLLM can map a
+        # failed block back to its request only when block ids are unique (one group), so a
+        # hybrid worker reports a failed load per request (``failed_recving``), which vLLM then
+        # recomputes from scratch. A hit's request waits for its pages outside the batch
+        # (WAITING_FOR_REMOTE_KVS), so they are in before its first step — before the model
+        # runner's pre-copy moves a state group's hit into the request's running block.
+        self.load_async = len(kv_cache_config.kv_cache_groups) > 1
+        self.request_loads: list[tuple[str, list[tuple[int, str, str]]]] = []
+        self.failed_requests: list[str] = []
+        # a request loading by request reaches the model runner only once its pages are in: its
+        # sampler state and earlier outputs wait for its first scheduled step
+        self.deferred: dict[str, tuple[str | None, list[int] | None]] = {}
+        # requests whose load failed: recomputed from scratch, never offered a hit again (a page
+        # that failed once would fail again, and the request would never run)
+        self.cold: set[str] = set()
         self.fail_loads: list[int] = []
         self.tail_copies: list[tuple[str, int, str]] = []
         self.tails_inflight: set[str] = set()
@@ -139,16 +154,19 @@ class SchedulerHalf(VllmService):
         with self.lock:
             self.live.pop(request.request_id, None)
             self.plans.pop(request.request_id, None)
+            self.deferred.pop(request.request_id, None)
+            self.cold.discard(request.request_id)
             if self.tail_cap <= 0 or not self.carried:
                 return False, None
             bs = self.block_size
             n = int(request.num_computed_tokens)  # block_ids cover these tokens
             n_full = n // bs
-            if n % bs == 0 or n_full > len(request.block_hashes):
+            hashes = self.block_hashes(request.block_hashes)
+            if n % bs == 0 or n_full > len(hashes):
                 return False, None
             if any(n_full >= len(block_ids[g.index]) for g in self.carried):
                 return False, None
-            parent = bytes(request.block_hashes[n_full - 1]) if n_full else b""
+            parent = bytes(hashes[n_full - 1]) if n_full else b""
             lora = getattr(request.lora_request, "lora_name", None)
             key = tail_key(parent, request.all_token_ids[n_full * bs : n], request.cache_salt, lora)
             if key in self.tail_keys:
@@ -191,11 +209,11 @@ class SchedulerHalf(VllmService):
             if self.offers.awaiting and self.offers.holds(self.ledger_id(request.request_id)):
                 return None, False
             offer = self.offers.keys
-            if not offer or not self.carried:
+            if not offer or not self.carried or request.request_id in self.cold:
                 return 0, False
             bs = self.block_size
             n = request.num_tokens
-            hashes = request.block_hashes
+            hashes = self.block_hashes(request.block_hashes)
             start = num_computed_tokens
             coming = self.offers.coming
             if coming:
@@ -203,7 +221,7 @@ class SchedulerHalf(VllmService):
                 # ask for them and wait, briefly, rather than recompute them
                 # from the end of the run of offered blocks (every group that keeps all blocks has
                 # them; windowed groups need only their window and are asked for along the way)
-                keep_all = [g.index for g in self.carried if not g.window] or [g.index for g in self.carried]
+                keep_all = [g.index for g in self.carried if g.keeps_every_block] or [g.index for g in self.carried]
                 i, last = start // bs, min(n // bs, len(hashes))
                 while i < last and all(group_key(bytes(hashes[i]), g) in offer for g in keep_all):
                     i += 1
@@ -227,7 +245,7 @@ class SchedulerHalf(VllmService):
                 self.plans.pop(request.request_id, None)
                 return 0, False
             self.plans[request.request_id] = (start, keys)
-            return ext, False
+            return ext, self.load_async
 
     def coming_run(self, hashes: Any, first: int, last: int) -> list[bytes]:
         """The keys of the blocks from ``first`` on whose pages the rest of the restore brings next
@@ -248,31 +266,47 @@ class SchedulerHalf(VllmService):
             rules = []
             for g in self.carried:
                 skip = None
-                if g.window:
+                if not g.keeps_every_block:
                     if managers is None:
                         raise LookupError(f"no KV cache manager bound for the {g.label()} group")
                     skip = managers[g.index].get_num_skipped_tokens
-                rules.append(GroupRule(g.index, skip))
+                rules.append(GroupRule(g.index, skip, state=g.kind == STATE))
             self.rules = rules
         return self.rules
 
     def fail_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The safe answer of a failed ``update_state_after_alloc``: the scheduler was promised
-        ``num_external_tokens`` of loaded KV, so every block of the request is reported as a load
-        error and vLLM recomputes them (kv_load_failure_policy=recompute) instead of reading
-        unloaded blocks."""
+        ``num_external_tokens`` of loaded KV, so the load fails and vLLM recomputes instead of
+        reading unloaded blocks (kv_load_failure_policy=recompute): every block of the request is
+        reported a load error (one group), or the request a failed receive (``load_async``)."""
         with self.lock:
             self.plans.pop(request.request_id, None)
-            if num_external_tokens > 0:
-                null = self.null_block_id()
-                self.fail_loads.extend(int(b) for ids in blocks.get_block_ids() for b in ids if b != null)
+            self.fail_alloc_locked(request, blocks, num_external_tokens)
+
+    def fail_alloc_locked(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        if self.load_async:
+            self.failed_requests.append(request.request_id)  # the worker reports it failed
+            self.cold.add(request.request_id)
+            return
+        null = self.null_block_id()
+        self.fail_loads.extend(int(b) for ids in blocks.get_block_ids() for b in ids if b != null)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Turn the request's plan into this step's loads: block by block (one group), or the
+        request's whole set, reported back by request (several groups: ``load_async``). A page
+        the plan names but the offer no longer has fails the load — recomputed, never read."""
         with self.lock:
-            if self.state_offer and not request.num_output_tokens:
-                self.apply_request_state(request)
             plan = self.plans.pop(request.request_id, None)
-            if num_external_tokens <= 0 or plan is None:
+            if self.state_offer and not request.num_output_tokens:
+                self.apply_request_state(request, defer=self.load_async and num_external_tokens > 0)
+            if num_external_tokens <= 0:
+                return
+            rid = request.request_id
+            if plan is None:  # promised tokens with no plan: fail them rather than leave them unloaded
+                log.error("gpuckpt: %d external tokens of %s have no load plan", num_external_tokens, rid)
+                self.fail_alloc_locked(request, blocks, num_external_tokens)
                 return
             start, keys = plan
             bs = self.block_size
@@ -280,6 +314,8 @@ class SchedulerHalf(VllmService):
             null = self.null_block_id()
             first = start // bs
             last = (start + num_external_tokens - 1) // bs
+            planned: list[tuple[int, str, str]] = []
+            missing: list[int] = []
             for g in self.carried:
                 ids = per_group[g.index]
                 for b in range(first, min(last + 1, len(ids))):
@@ -288,13 +324,21 @@ class SchedulerHalf(VllmService):
                     key = group_key(keys[b - first], g.index)
                     path = self.offers.keys.get(key)
                     if path is None:  # never planned so (see plan_hit): recompute it, never read garbage
-                        rid = request.request_id
                         log.error("gpuckpt: no offered page for group %d block %d of %s", g.index, b, rid)
-                        self.fail_loads.append(int(ids[b]))
+                        missing.append(int(ids[b]))
                         continue
-                    self.loads.append((ids[b], path, key.hex()))
-            rid = self.ledger_id(request.request_id)
-            self.restored[rid] = self.restored.get(rid, 0) + num_external_tokens
+                    planned.append((ids[b], path, key.hex()))
+            if self.load_async:
+                if missing:
+                    self.failed_requests.append(rid)
+                    self.cold.add(rid)
+                    return
+                self.request_loads.append((rid, planned))
+            else:
+                self.fail_loads += missing
+                self.loads += planned
+            lid = self.ledger_id(rid)
+            self.restored[lid] = self.restored.get(lid, 0) + num_external_tokens
 
     def null_block_id(self) -> int:
         """The id of vLLM's null block (a windowed group's skipped positions)."""
@@ -306,7 +350,7 @@ class SchedulerHalf(VllmService):
         cid = client_id(request_id)
         return self.state_alias.get(cid, cid)
 
-    def apply_request_state(self, request: Request) -> None:
+    def apply_request_state(self, request: Request, *, defer: bool = False) -> None:
         """A restored request's first schedule: hand over what it needs beyond its tokens (lock held).
 
         The state goes to the request that continues the ledger entry: its id
@@ -315,7 +359,9 @@ class SchedulerHalf(VllmService):
         id — a client's retry, someone reusing the id — gets nothing, and the
         state stays for the resubmission. Each part fails alone (logged, in
         ``stats``): a state that cannot be applied leaves that request as a
-        plain resubmission, which the restore reports as a cold replay.
+        plain resubmission, which the restore reports as a cold replay. ``defer``: the request
+        waits for its pages first; its sampler state and earlier outputs go to the worker with
+        its first scheduled step (:meth:`release_deferred`).
         """
         cid = self.ledger_id(request.request_id)
         st = self.state_offer.get(cid)
@@ -329,13 +375,13 @@ class SchedulerHalf(VllmService):
         del self.state_offer[cid]
         applied = self.states_applied.setdefault(cid, [])
         g = st.get("generator_state")
-        if g:
-            self.gen_loads.append((request.request_id, str(g)))
-            applied.append("generator_state")
         prior = st.get("prior_outputs")
-        if prior:
-            self.prior_loads.append((request.request_id, [int(t) for t in prior]))
-            applied.append("prior_outputs")
+        g, prior = (str(g) if g else None), ([int(t) for t in prior] if prior else None)
+        if defer and (g or prior):
+            self.deferred[request.request_id] = (g, prior)
+        else:
+            self.send_state(request.request_id, g, prior)
+        applied += ["generator_state"] * bool(g) + ["prior_outputs"] * bool(prior)
         grammar_outputs = st.get("grammar_outputs")
         if grammar_outputs:
             so = getattr(request, "structured_output_request", None)
@@ -353,24 +399,45 @@ class SchedulerHalf(VllmService):
                 log.error("gpuckpt: grammar of %s not advanced: %s", cid, exc)
                 applied.append(f"grammar failed: {exc}")
 
+    def send_state(self, rid: str, generator: str | None, prior: list[int] | None) -> None:
+        if generator:
+            self.gen_loads.append((rid, generator))
+        if prior:
+            self.prior_loads.append((rid, prior))
+
+    def release_deferred(self, so: SchedulerOutput) -> None:
+        """The deferred states of the requests this step schedules for the first time (lock held)."""
+        for nr in so.scheduled_new_reqs:
+            st = self.deferred.pop(nr.req_id, None)
+            if st is not None:
+                self.send_state(nr.req_id, *st)
+
     def empty_meta(self) -> GpuckptMeta:
-        """The safe answer of a failed ``build_connector_meta``: planned loads become load errors."""
+        """The safe answer of a failed ``build_connector_meta``: planned loads become load errors
+        (requests loading by request: failed receives)."""
         with self.lock:
             failed = [b for b, _, _ in self.loads] + self.fail_loads
-            self.loads, self.fail_loads = [], []
-            return GpuckptMeta(fail_loads=failed, ranks_known=len(self.reports) >= self.tp)
+            failed_requests = [rid for rid, _ in self.request_loads] + self.failed_requests
+            self.loads, self.fail_loads, self.request_loads, self.failed_requests = [], [], [], []
+            return GpuckptMeta(
+                fail_loads=failed, failed_requests=failed_requests, ranks_known=len(self.reports) >= self.tp
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GpuckptMeta:
         if self.step_delay and scheduler_output.total_num_scheduled_tokens:
             time.sleep(self.step_delay)
         with self.lock:
             self.step += 1
+            if self.deferred:
+                self.release_deferred(scheduler_output)
             if self.idle_now():
                 # nothing planned, nothing waiting: the same empty metadata every step (the worker
                 # only reads it), no per-step allocation or scan — the idle worker's whole cost
                 return IDLE
             meta = GpuckptMeta(
                 loads=self.loads,
+                request_loads=self.request_loads,
+                failed_requests=self.failed_requests,
                 tails=self.tail_copies,
                 generators=self.gen_loads,
                 priors=self.prior_loads,
@@ -378,7 +445,8 @@ class SchedulerHalf(VllmService):
                 close_files=self.retire_files(),
                 ranks_known=len(self.reports) >= self.tp,
             )
-            self.loads, self.tail_copies, self.gen_loads, self.prior_loads, self.fail_loads = [], [], [], [], []
+            self.loads, self.request_loads, self.failed_requests, self.tail_copies = [], [], [], []
+            self.gen_loads, self.prior_loads, self.fail_loads = [], [], []
             for key_hex, _, rid in meta.tails:
                 self.tails_inflight.add(rid)
                 self.tail_keys[bytes.fromhex(key_hex)] = None
@@ -427,6 +495,8 @@ class SchedulerHalf(VllmService):
         state, file to retire, waiter, capture, stream, awaited page or missing rank report."""
         return not (
             self.loads
+            or self.request_loads
+            or self.failed_requests
             or self.tail_copies
             or self.gen_loads
             or self.prior_loads
@@ -441,6 +511,12 @@ class SchedulerHalf(VllmService):
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = connector_output.failed_recving
+        if failed:
+            log.warning("gpuckpt: loading the pages of %d requests failed; they are recomputed", len(failed))
+            with self.lock:
+                self.cold |= failed
+                self.load_failed.update(self.ledger_id(rid) for rid in failed)
         sent = connector_output.finished_sending
         if sent and self.tails_inflight:
             with self.lock:

@@ -86,6 +86,9 @@ class WorkerHalf:
         self.copier: PageCopier | None = None
         self.files: dict[str, staging.PageFile] = {}
         self.load_errors: set[int] = set()
+        self.before: dict[str, bytes] = {}  # a capture's pages copied before the forward (key hex)
+        self.received: set[str] = set()  # loaded by request (several KV cache groups): get_finished
+        self.receive_failed: set[str] = set()  # of those, failed
         self.report: dict[str, Any] | None = None  # sent until the scheduler half has every rank's
         self._done: dict[str, dict[int, dict[str, Any]]] = {}
         self._done_lock = threading.Lock()
@@ -108,8 +111,9 @@ class WorkerHalf:
         self.kv = []
         kv_first = False
         seen: set[int] = set()
-        # only attention groups' layers page by block (a state-space layer's state is not carried:
-        # see .groups, and the scheduler half then plans nothing)
+        # pages are read through attention layers' views: a state-space layer shares its physical
+        # slot with one (vLLM pads both pages to one size), so its state block is in the same
+        # bytes (see .groups, which refuses a state group with a slot no attention layer is in)
         attention = {
             name
             for g in self.kv_cache_config.kv_cache_groups
@@ -211,11 +215,28 @@ class WorkerHalf:
 
     # ------------------------------------------------------------------ before the forward
 
+    def copy_before(self, meta: Any) -> None:
+        """Before the step's forward (``handle_preemptions``): the capture's pages the forward
+        would change — a state group's running states (see :class:`.CopyJob`)."""
+        if type(meta) is not GpuckptMeta or meta.capture is None or not meta.capture.before:
+            return
+        if self.disabled:
+            return  # wait_for_save reports the chunk failed
+        assert self.copier is not None
+        self.before = {key_hex: self.copier.page(block_id) for key_hex, block_id in meta.capture.before}
+
     def fail_loads(self, meta: Any) -> None:
-        """The safe answer of a failed ``start_load_kv``: every planned load is a load error."""
+        """The safe answer of a failed ``start_load_kv``: every planned load is a load error, every
+        request loading by request a failed receive."""
         if isinstance(meta, GpuckptMeta):
             self.load_errors.update(b for b, _, _ in meta.loads)
             self.load_errors.update(meta.fail_loads)
+            self.fail_requests([rid for rid, _ in meta.request_loads] + meta.failed_requests)
+
+    def fail_requests(self, rids: list[str]) -> None:
+        """Report ``rids`` received and failed (vLLM releases them and recomputes them)."""
+        self.received.update(rids)
+        self.receive_failed.update(rids)
 
     def idle_step(self) -> bool:
         """An idle step's metadata arrived (nothing of gpuckpt's this step): whether the step may
@@ -251,14 +272,23 @@ class WorkerHalf:
             self.priors[rid] = prior
         if self.priors:
             self.refresh_priors()
-        if not meta.loads:
-            return
-        if self.disabled:
-            raise EngineError(self.disabled)
+        if self.disabled and (meta.loads or meta.request_loads):
+            raise EngineError(self.disabled)  # the guard fails them all (fail_loads)
+        if meta.loads:
+            self.load_errors.update(self.load(meta.loads))
+        self.fail_requests(meta.failed_requests)
+        for rid, loads in meta.request_loads:
+            if self.load(loads):
+                self.fail_requests([rid])
+            self.received.add(rid)
+
+    def load(self, loads: list[tuple[int, str, str]]) -> set[int]:
+        """Copy ``loads`` (block id, page file, key) into the KV cache; the block ids that failed."""
+        failed: set[int] = set()
         shape = self.stored_shape()
         ids: list[int] = []
         pages: list[memoryview] = []
-        for block_id, index_path, key_hex in meta.loads:
+        for block_id, index_path, key_hex in loads:
             try:
                 pf = self.files.get(index_path)
                 if pf is None:
@@ -269,7 +299,7 @@ class WorkerHalf:
                 ids.append(block_id)
             except Exception:
                 log.exception("gpuckpt: loading block %d failed", block_id)
-                self.load_errors.add(block_id)
+                failed.add(block_id)
         try:
             assert self.copier is not None
             assert self.heads is not None
@@ -277,7 +307,8 @@ class WorkerHalf:
             self.copier.scatter(ids, pages, self.heads.as_tuple(), self.head_axis)
         except Exception:
             log.exception("gpuckpt: loading %d blocks failed", len(ids))
-            self.load_errors.update(ids)
+            failed.update(ids)
+        return failed
 
     def refresh_priors(self) -> None:
         """Put restored requests' earlier outputs in front of their outputs, in the sampler's view.
@@ -345,8 +376,12 @@ class WorkerHalf:
             assert self.copier is not None
             # Only the copy holds up the engine (on CUDA, only its GPU stream);
             # the page file is written by a thread, reported a step or more later.
+            before, self.before = self.before, {}
+            if len(before) != len(cap.before):
+                raise RuntimeError(f"{len(cap.before) - len(before)} of the pages to copy before the forward were not")
             gathered = self.copier.gather([b for _, b in cap.pages])
             tails = [(k, self.tail_pages[bytes.fromhex(k)]) for k in cap.tails if bytes.fromhex(k) in self.tail_pages]
+            tails += list(before.items())
             # Seeded requests' sampler state, before this step's sample (matches the ledger's outputs).
             gens = {}
             if self.runner is not None and cap.generators:
@@ -420,9 +455,16 @@ class WorkerHalf:
             self._done.setdefault(cap.job, {})[self.rank] = result
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """The finished requests whose tails were copied (their blocks may be freed now)."""
+        """The finished requests whose tails were copied (their blocks may be freed now), and the
+        requests whose pages were loaded by request (those that failed among them)."""
         sent, self.sent = self.sent, set()
-        return (sent or None), None
+        received, self.received = self.received, set()
+        return (sent or None), (received or None)
+
+    def take_receive_failures(self) -> set[str]:
+        """The requests reported received this step whose load failed (``failed_recving``)."""
+        failed, self.receive_failed = self.receive_failed, set()
+        return failed
 
     def build_connector_worker_meta(self) -> GpuckptWorkerMeta | None:
         if not self._done and self.report is None:

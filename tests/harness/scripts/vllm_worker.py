@@ -54,6 +54,7 @@ def make_llm(a: dict):
         gpu_memory_utilization=a.get("gpu_memory_utilization", 0.3),
         seed=0,
         enable_prefix_caching=True,
+        **({"mamba_cache_mode": a["mamba_cache_mode"]} if a.get("mamba_cache_mode") else {}),
         kv_transfer_config=kv_config(a) if a.get("connector", True) else None,
         # a random model fills JSON with whitespace: keep the schema's output bounded
         **({"structured_outputs_config": COMPACT_JSON} if a.get("tokenizer") else {}),
@@ -255,7 +256,8 @@ def main() -> None:
         import random
 
         rng = random.Random(7)
-        system = [rng.randrange(3, 512) for _ in range(64)]  # shared by every request: stored once
+        # shared by every request: stored once (longer for a model whose blocks are longer)
+        system = [rng.randrange(3, 512) for _ in range(a.get("system_len", 64))]
         convs = {f"conv{i}": system + [rng.randrange(3, 512) for _ in range(40 + 17 * i)] for i in range(2)}
         outs: dict = {}
         for rid, toks in convs.items():
