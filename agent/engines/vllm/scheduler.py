@@ -12,7 +12,11 @@ offer's ``generation``, refused once that offer ended). From then on,
 :meth:`SchedulerHalf.get_num_new_matched_tokens` reports the longest run of
 offered blocks after the local prefix hit as an external hit (leaving at
 least one token to compute), and the worker half loads those pages
-synchronously in ``start_load_kv``, before the forward. Behind the in-flight
+synchronously in ``start_load_kv``, before the forward — or, in a worker with
+several KV cache groups (``load_async``), by request, while the request waits
+outside the batch, so that a failed load is that request's failed receive
+(vLLM raises on failed block ids there) and a state group's hit is in place
+before the model runner's pre-copy reads it. Behind the in-flight
 pages the agent names what the rest brings (``coming``): a request whose next
 pages are coming waits for them (briefly: ``want_s``) and asks for them —
 the next part's reply lists them ``wanted``, and the agent brings them in the

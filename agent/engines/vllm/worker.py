@@ -9,7 +9,10 @@ rank's).
 Loads: ``start_load_kv`` copies the step's planned loads out of the offered
 page files into the KV cache, before the forward (queued on the same stream
 on CUDA); a page that cannot be read is a load error, and vLLM recomputes
-that block. Captures: ``wait_for_save`` copies a chunk's pages after the
+that block — with several KV cache groups, loads come by request
+(``request_loads``), each request reported received (``get_finished``) or,
+if a page failed, failed (``failed_recving``), and vLLM recomputes the
+request. Captures: ``wait_for_save`` copies a chunk's pages after the
 forward (so blocks the step completes are whole) and before the next step
 can reuse any block; a thread writes them into a page file per rank and
 chunk, reported a step or more later.
