@@ -86,7 +86,7 @@ def test_checkpointed_past_the_window(runs: dict, kind: str) -> None:
     assert a["checkpoint_stats"]["pages"] > 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "qwen3next"])
 def test_restore_is_warm_and_token_exact(runs: dict, kind: str) -> None:
     a, b = runs[kind]["a"], runs[kind]["b"]
     assert b["warm"], b["reasons"]
@@ -100,11 +100,11 @@ def test_restore_is_warm_and_token_exact(runs: dict, kind: str) -> None:
         assert loaded[rid] > 0, rid  # loaded by the connector, not recomputed
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "qwen3next"])
 def test_next_turn_finds_what_the_uninterrupted_engine_kept(runs: dict, kind: str) -> None:
-    """A sliding group keeps only the blocks a hit can use (vLLM caches those): the restored
-    engine's next turn hits at least as far as the uninterrupted engine's own, past the shared
-    system prompt."""
+    """A sliding group keeps only the blocks a hit can use (vLLM caches those), a state group the
+    states it took: the restored engine's next turn hits at least as far as the uninterrupted
+    engine's own, past the shared system prompt."""
     a, b = runs[kind]["a"], runs[kind]["b"]
     for rid in a["turn1"]:
         got, kept = b["turn2"][rid + "-t2"]["num_cached_tokens"], a["turn2"][rid + "-t2"]["num_cached_tokens"]
@@ -140,27 +140,18 @@ def test_write_tiny_sliding_refuses_an_unknown_kind(tmp_path: Path) -> None:
         write_tiny_sliding(tmp_path, kind="jamba")
 
 
-def test_a_state_space_model_restores_warm_and_token_exact(runs: dict) -> None:
+def test_a_state_space_model_is_carried(runs: dict) -> None:
     """Qwen3-Next (Gated DeltaNet state + full attention, vLLM's ``mamba_cache_mode='align'``): the
-    state blocks are carried — in flight, the running state after exactly the computed tokens;
-    in the prefix cache, the state at each block boundary vLLM kept — and the restored requests
-    continue token-exact from them."""
+    state group is carried — in flight, each request's running state after exactly its computed
+    tokens, so it restores with all but its last token loaded (warm and token-exact above); in
+    the prefix cache, the states at the block boundaries vLLM kept."""
     a, b = runs["qwen3next"]["a"], runs["qwen3next"]["b"]
     assert not a["kv"]["hybrid_manager_off"], "a hybrid SSM model needs the hybrid KV cache manager"
     assert a["kv_groups"] == "g0=mamba/2;g1=full/2"
     assert a["checkpoint_stats"]["pages"] > 0
-    assert b["warm"], b["reasons"]
-    assert b["restore_stats"]["failed_blocks"] == 0
-    assert set(b["restored"]) == set(a["reference"])
-    for rid, r in b["restored"].items():
-        assert r["full"] == a["reference"][rid], rid
     loaded = b["connector_after_restore"]["restored_tokens"]
     for rid, r in b["restored"].items():
-        assert r["prompt_len"] - r["num_cached_tokens"] <= 1, (rid, r)
-        assert loaded[rid] > 0, rid
-    for rid in a["turn1"]:
-        got, kept = b["turn2"][rid + "-t2"]["num_cached_tokens"], a["turn2"][rid + "-t2"]["num_cached_tokens"]
-        assert got >= kept >= 256, (rid, got, kept)
+        assert loaded[rid] == r["prompt_len"] - 1, (rid, loaded[rid], r)
 
 
 @pytest.fixture(scope="module")
