@@ -291,6 +291,7 @@ class VllmService(WorkerService):
         before: dict[bytes, int],
         mutable: dict[bytes, int],
         cached: dict[bytes, Any],
+        null: int,
     ) -> int:
         """A live request's pages in a worker with a state group (lock held); the tokens they carry.
 
@@ -316,7 +317,6 @@ class VllmService(WorkerService):
             parent = bytes(hashes[n_pre - 1]) if n_pre else b""
             lora = getattr(req.lora_request, "lora_name", None)
             base = tail_key(parent, req.all_token_ids[n_pre * bs : pre], req.cache_salt, lora)
-        null = int(self.pool.null_block.block_id) if self.pool is not None else 0
         for g, ids in groups:
             key = group_key(base, g)
             if g in states:
@@ -491,7 +491,7 @@ class VllmService(WorkerService):
                     mutable[group_key(tk, g)] = ids[n_full]
                 kv_held = kv_tokens
             if states and groups:
-                held = self.running_states(req, hashes, groups, states, before, mutable, cached)
+                held = self.running_states(req, hashes, groups, states, before, mutable, cached, null)
                 kv_held = min(kv_held, held)
             entries.append(request_entry(req, kv_held, self.runner_facts))
         # finished requests' stored tails do not change either: they stream like the cached blocks

@@ -75,7 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from agent.engines.service import guard
-from agent.engines.vllm.meta import GpuckptMeta, GpuckptWorkerMeta
+from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta
 from agent.engines.vllm.scheduler import SchedulerHalf
 from agent.engines.vllm.worker import WorkerHalf
 
@@ -198,8 +198,14 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
                 log.exception("gpuckpt: an idle step's bookkeeping failed")
         super().bind_connector_metadata(connector_metadata)
 
-    @guard(lambda self, kv_connector_metadata: None)  # wait_for_save then fails the chunk
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # called every step: an idle step (the one shared IDLE object) has nothing to copy, and
+        # returns before the guard's bookkeeping
+        if kv_connector_metadata is not IDLE:
+            self._copy_before(kv_connector_metadata)
+
+    @guard(lambda self, kv_connector_metadata: None)  # wait_for_save then fails the chunk
+    def _copy_before(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self._w.copy_before(kv_connector_metadata)
 
     @guard(lambda self, kv_caches: self._w.disable(_DISABLED))
