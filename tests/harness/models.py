@@ -104,15 +104,17 @@ def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0
     return path
 
 
-def write_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
+def write_tiny_qwen3_next(path: Path, *, seed: int = 0, chat: bool = False) -> Path:
     """A tiny random-weight Qwen3-Next (Gated DeltaNet linear attention interleaved with full
     attention, a small MoE), bfloat16 — vLLM's CPU build runs its GDN layers only in bf16. Under
     vLLM's hybrid KV cache manager its linear-attention layers are a state-space (``MambaSpec``)
-    group: a KV cache group gpuckpt does not carry yet."""
+    group, which gpuckpt carries at tensor parallel size 1 in ``mamba_cache_mode='align'``.
+    ``chat``: with a tokenizer and a chat template (:func:`write_tokenizer`)."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
+    bos, eos = write_tokenizer(path, chat=True) if chat else (1, 2)
     cfg = Qwen3NextConfig(
         vocab_size=512,
         hidden_size=256,
@@ -133,8 +135,8 @@ def write_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
         decoder_sparse_step=1,
         full_attention_interval=2,
         layer_types=["linear_attention", "full_attention"] * 2,
-        bos_token_id=1,
-        eos_token_id=2,
+        bos_token_id=bos,
+        eos_token_id=eos,
         torch_dtype="bfloat16",
     )
     Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)

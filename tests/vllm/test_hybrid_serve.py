@@ -1,13 +1,19 @@
-"""A sliding-window model's clients, through ``vllm serve``'s chat and completions endpoints, with
-vLLM's hybrid KV cache manager on.
+"""Hybrid models' clients, through ``vllm serve``'s chat and completions endpoints, with vLLM's
+hybrid KV cache manager on.
 
-Worker A serves a Gemma-3-style model (sliding and global layers interleaved, a 64-token window,
-with a tokenizer and a chat template; gpuckpt's connector and middleware loaded) to three
-clients, chat streamed, chat seeded and not streamed, and completions streamed, whose prompts and
-outputs run well past the window (blocks have left it). A checkpoint is taken mid-decode; A
-finishes the requests (what each client got: the reference) and is SIGKILLed. Worker B restores
-the checkpoint warm; each client retries its call (same id, same body) and gets the whole
-original answer, token for token and character for character.
+Worker A serves a hybrid model (with a tokenizer and a chat template; gpuckpt's connector and
+middleware loaded) to three clients — chat streamed, chat not streamed, and completions streamed —
+and a checkpoint is taken mid-decode; A finishes the requests (what each client got: the
+reference) and is SIGKILLed. Worker B restores the checkpoint warm; each client retries its call
+(same id, same body) and gets the whole original answer, token for token and character for
+character. Two models:
+
+- ``gemma3``: a Gemma-3-style model (sliding and global layers interleaved, a 64-token window);
+  the prompts and outputs run well past the window (blocks have left it), and the non-streamed
+  chat is seeded.
+- ``qwen3next``: a Qwen3-Next-style model (Gated DeltaNet linear attention and full attention:
+  a state-space group in ``mamba_cache_mode='align'``, 160-token blocks, bfloat16); each request's
+  running state is carried. Greedy only: vLLM's CPU build fails seeded sampling on this model.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from agent import session
 from agent.engines import canary
 from ckpt import Repository
 from tests.harness.clients import Calls, call, checkpoint_during, generated
-from tests.harness.models import write_tiny_sliding
+from tests.harness.models import write_tiny_qwen3_next, write_tiny_sliding
 from tests.harness.vllm import ARGS as SERVE_ARGS
 from tests.harness.vllm import serve_worker
 
@@ -35,8 +41,9 @@ ARGS = [*(a for a in SERVE_ARGS if a != "--skip-tokenizer-init"), "--max-num-seq
 NOEOS = {"ignore_eos": True, "return_token_ids": True}
 
 
-def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any]]]:
-    """id → (endpoint, body): prompts longer than the window, outputs far past it."""
+def kinds(rng: random.Random, *, seeded: bool) -> dict[str, tuple[str, dict[str, Any]]]:
+    """id → (endpoint, body): prompts longer than the window, outputs far past it; the chat not
+    streamed is ``seeded`` (sampled with a seed) or greedy."""
 
     def words(k: int) -> str:
         return " ".join(rng.choice(["alpha", "beta", "gamma", "quick", "brown", "fox", "jumps"]) for _ in range(k))
@@ -46,9 +53,10 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any]]]:
 
     return {
         "chat": ("chat", {"messages": chat(90), "temperature": 0.0, "max_tokens": N, **NOEOS, "stream": True}),
-        "seeded": (
+        "whole": (
             "chat",
-            {"messages": chat(80), "temperature": 0.8, "seed": 7, "max_tokens": N, **NOEOS, "stream": False},
+            {"messages": chat(80), "max_tokens": N, **NOEOS, "stream": False}
+            | ({"temperature": 0.8, "seed": 7} if seeded else {"temperature": 0.0}),
         ),
         "completion": (
             "completions",
@@ -57,17 +65,34 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any]]]:
     }
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("vllm-hybrid-serve")
-    model = write_tiny_sliding(tmp / "model", kind="gemma3", window=WINDOW, chat=True)
+#: model kind → (what the checkpoint pins as its KV cache groups, the engine's arguments)
+MODELS = {
+    "gemma3": (f"g0=sliding_window:{WINDOW}/2;g1=full/2", ARGS),
+    "qwen3next": (
+        "g0=mamba/2;g1=full/2",
+        [a if a != "float32" else "bfloat16" for a in ARGS],
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack
+) -> dict[str, Any]:
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(f"vllm-hybrid-serve-{kind}")
+    if kind == "gemma3":
+        model = write_tiny_sliding(tmp / "model", kind="gemma3", window=WINDOW, chat=True)
+    else:
+        model = write_tiny_qwen3_next(tmp / "model", chat=True)
+    args = MODELS[kind][1]
     repo = Repository.open(str(tmp / "repo"), create=True)
-    reqs = kinds(random.Random(3))
-    out: dict[str, Any] = {"kinds": reqs}
-    with serve_worker(model, tmp, "a", ARGS) as a:
+    reqs = kinds(random.Random(3), seeded=kind == "gemma3")
+    out: dict[str, Any] = {"kind": kind, "kinds": reqs}
+    with serve_worker(model, tmp, "a", args) as a:
         a.wait_ready()
         # B starts while A works, on another CPU (an engine start costs ~20 s here)
-        b_early = module_cleanup.enter_context(serve_worker(model, tmp, "b", ARGS, cpu=1))
+        b_early = module_cleanup.enter_context(serve_worker(model, tmp, "b", args, cpu=1))
         probe = canary.record(a.client.generate)
         calls = {k: partial(call, a.url, k, *reqs[k]) for k in reqs}
         m, ref = checkpoint_during(a, calls, repo, live=len(reqs), canary=probe)
@@ -90,9 +115,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, module_cleanup: ExitStack) 
     return out
 
 
-def test_checkpointed_mid_decode_past_the_window_with_both_groups_pinned(served: dict[str, Any]) -> None:
+def test_checkpointed_mid_decode_with_both_groups_pinned(served: dict[str, Any]) -> None:
     m = served["checkpoint"]
-    assert m.pins.worker.kv_groups == f"g0=sliding_window:{WINDOW}/2;g1=full/2"
+    assert m.pins.worker.kv_groups == MODELS[served["kind"]][0]
     entries = m.ledger.data["requests"]
     assert len(entries) == 3
     for e in entries:
