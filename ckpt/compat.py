@@ -83,9 +83,13 @@ class RuleResult:
         """One human line, naming the rule, its verdict and both values.
 
         e.g. ``driver_version: mismatch (checkpoint 550.54.15, here 560.35.03)``;
-        ``None`` shows as ``unknown``.
+        ``None`` shows as ``unknown``. A mismatch whose rule says more than that the values
+        differ says it after them (``kv_groups: mismatch (…): KV cache group 1: …``).
         """
-        return f"{self.rule}: {self.verdict} (checkpoint {_show(self.recorded)}, here {_show(self.current)})"
+        line = f"{self.rule}: {self.verdict} (checkpoint {_show(self.recorded)}, here {_show(self.current)})"
+        if self.verdict is Verdict.MISMATCH and self.detail not in ("", _DIFFER):
+            line += f": {self.detail}"
+        return line
 
     def __str__(self) -> str:
         return self.line
@@ -105,7 +109,11 @@ def equality(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
         return Verdict.UNKNOWN, "could not be determined here"
     if recorded == current:
         return Verdict.MATCH, ""
-    return Verdict.MISMATCH, "values differ"
+    return Verdict.MISMATCH, _DIFFER
+
+
+#: the detail of a plain mismatch (:func:`equality`), which a reason line leaves out
+_DIFFER: Final = "values differ"
 
 
 @dataclass(frozen=True)
@@ -187,7 +195,8 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
     "model_runner": "Model runner: what a request's carried sampler state means.",
     "tensor_parallel_size": (
         "Tensor-parallel size. Recorded, not compared: stored pages hold every KV head, "
-        "and each rank of the restoring worker loads its own (resharding)."
+        "and each rank of the restoring worker loads its own (resharding). A state-space group's "
+        "pages do not reshard: kv_groups names its size."
     ),
     "pipeline_parallel_size": "Pipeline-parallel size: each stage holds a slice of the layers.",
     "rank": "The rank that described the worker. Recorded, not compared (see tensor_parallel_size).",
@@ -203,7 +212,9 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
     "prefix_hash_seed": "Seed of the prefix hash chain: block keys must be computed the same way.",
     "kv_groups": (
         "KV cache groups (full attention, sliding window, ...), compared group by group: a page "
-        "belongs to its group, and a group keeps only the blocks its kind attends to."
+        "belongs to its group, and a group keeps only the blocks its kind attends to. A state-space "
+        "group at tensor parallel size > 1 names that size (mamba@tp2): its pages hold each rank's "
+        "own state heads and restore onto the same size only."
     ),
 }
 
@@ -221,8 +232,24 @@ def kv_groups(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
         y = b[i] if i < len(b) else "(none)"
         if x != y:
             x, y = (re.sub(r"^g\d+=", "", v) for v in (x, y))
+            tx, ty = (_state_tp(v) for v in (x, y))
+            if tx != ty and _STATE_TP.sub("", x) == _STATE_TP.sub("", y):
+                return Verdict.MISMATCH, (
+                    f"KV cache group {i} ({_STATE_TP.sub('', x).split('/')[0]}): its state is split between ranks "
+                    f"by the model's own state heads and restores onto the same tensor parallel size only "
+                    f"(checkpoint {tx}, here {ty})"
+                )
             return Verdict.MISMATCH, f"KV cache group {i}: checkpoint {x}, here {y}"
     return Verdict.MATCH, ""
+
+
+#: a state group's tensor parallel size in a ``kv_groups`` signature (``mamba@tp2/2``)
+_STATE_TP: Final = re.compile(r"@tp(\d+)")
+
+
+def _state_tp(group: str) -> int:
+    m = _STATE_TP.search(group)
+    return int(m.group(1)) if m else 1
 
 
 for _name, _description in _HOST_RULES.items():

@@ -214,6 +214,18 @@ def test_result_line() -> None:
     )
 
 
+def test_a_mismatch_whose_rule_says_more_says_it_in_the_reason() -> None:
+    """The KV cache groups' rule names the group that differs; a plain inequality adds nothing."""
+    d = decide(pins(kv_groups="g0=mamba@tp2/2;g1=full/2"), pins(kv_groups="g0=mamba/2;g1=full/2"))
+    assert d.reasons == [
+        "kv_groups: mismatch (checkpoint g0=mamba@tp2/2;g1=full/2, here g0=mamba/2;g1=full/2): KV cache group 0 "
+        "(mamba): its state is split between ranks by the model's own state heads and restores onto the same "
+        "tensor parallel size only (checkpoint 2, here 1)"
+    ]
+    plain = result_of("block_size", pins(block_size=16), pins(block_size=32))
+    assert (plain.detail, plain.line) == ("values differ", "block_size: mismatch (checkpoint 16, here 32)")
+
+
 # --- decide and the policy --------------------------------------------------
 
 

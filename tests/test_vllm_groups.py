@@ -27,6 +27,7 @@ from agent.engines.vllm.groups import (
     plan_hit,
     signature,
 )
+from ckpt import compat
 
 BS = 16
 
@@ -92,11 +93,35 @@ def test_a_state_space_group_in_align_mode_is_carried() -> None:
     assert [g.keeps_every_block for g in groups] == [True, False]
 
 
+def test_a_state_space_group_at_tensor_parallel_size_2_is_carried_and_names_its_size() -> None:
+    """Each rank holds its own attention heads (the model's 4 over 2 ranks): every rank gets its own
+    state bytes back from pages split by those heads, at the same tensor parallel size — which
+    the signature names, so that a worker of another size is refused by the pins."""
+    groups = kv_groups(config(full(), mamba()), BS, tp=2, kv_heads=4)
+    assert carried(groups) == groups
+    assert signature(groups) == "g0=full/2;g1=mamba@tp2/2"
+    assert groups[1].to_json()["tp"] == 2
+    assert "tp" not in groups[0].to_json()
+    verdict, why = compat.kv_groups("g0=full/2;g1=mamba@tp2/2", "g0=full/2;g1=mamba/2")
+    assert verdict is compat.Verdict.MISMATCH
+    assert why == (
+        "KV cache group 1 (mamba): its state is split between ranks by the model's own state heads "
+        "and restores onto the same tensor parallel size only (checkpoint 2, here 1)"
+    )
+    assert compat.kv_groups("g0=full/2;g1=mamba@tp2/2", "g0=full/2;g1=mamba@tp2/2")[0] is compat.Verdict.MATCH
+    verdict, why = compat.kv_groups("g0=full/2;g1=mamba@tp2/2", "g0=full/2;g1=mamba@tp4/2")
+    assert "(checkpoint 2, here 4)" in why
+    # a group that differs otherwise is named as before
+    assert compat.kv_groups("g0=full/2;g1=mamba@tp2/2", "g0=full/2;g1=mamba@tp2/3")[1] == (
+        "KV cache group 1: checkpoint mamba@tp2/2, here mamba@tp2/3"
+    )
+
+
 @pytest.mark.parametrize(
     ("spec", "tp", "layers", "why"),
     [
         (lambda: mamba("none"), 1, 2, "mamba_cache_mode='none' keeps no state a later request can hit"),
-        (mamba, 2, 2, "state-space state is carried at tensor parallel size 1 only (this is 2)"),
+        (mamba, 4, 2, "at tensor parallel size 4 the model's 2 KV heads are replicated between ranks"),
         (lambda: mamba(padded=4096), 1, 2, "bytes) differs from another group's"),
         (mamba, 1, 3, "its layers fill 3 physical slots and attention layers only 2"),
     ],
@@ -109,7 +134,7 @@ def test_a_state_space_group_it_cannot_carry_is_named_and_nothing_is_carried(
     cfg = config(full(), spec())  # type: ignore[operator]
     if layers != 2:  # a state group with a layer in a slot no attention layer shares
         cfg.kv_cache_groups[1].layer_names.append("model.layers.9.linear_attn")
-    groups = kv_groups(cfg, BS, tp=tp)
+    groups = kv_groups(cfg, BS, tp=tp, kv_heads=2)
     assert carried(groups) == []
     got = not_carried(groups)
     assert got is not None

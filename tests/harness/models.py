@@ -104,12 +104,13 @@ def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0
     return path
 
 
-def write_tiny_qwen3_next(path: Path, *, seed: int = 0, chat: bool = False) -> Path:
+def write_tiny_qwen3_next(path: Path, *, seed: int = 0, chat: bool = False, kv_heads: int = 2) -> Path:
     """A tiny random-weight Qwen3-Next (Gated DeltaNet linear attention interleaved with full
     attention, a small MoE), bfloat16 — vLLM's CPU build runs its GDN layers only in bf16. Under
     vLLM's hybrid KV cache manager its linear-attention layers are a state-space (``MambaSpec``)
     group, which gpuckpt carries at tensor parallel size 1 in ``mamba_cache_mode='align'``.
-    ``chat``: with a tokenizer and a chat template (:func:`write_tokenizer`)."""
+    ``chat``: with a tokenizer and a chat template (:func:`write_tokenizer`); ``kv_heads``: its
+    full-attention layers' KV heads."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -121,7 +122,7 @@ def write_tiny_qwen3_next(path: Path, *, seed: int = 0, chat: bool = False) -> P
         intermediate_size=512,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         linear_num_value_heads=4,
         linear_num_key_heads=2,

@@ -9,9 +9,11 @@ the KV capacity vLLM allocates with gpuckpt loaded equals the capacity without i
 A tiny Qwen3-Next (Gated DeltaNet linear attention and full attention: a state-space group in
 vLLM's ``mamba_cache_mode='align'``, 160-token blocks) starts with the allocator on too; its
 state blocks are carried — the running state of each request in flight, the states at block
-boundaries vLLM keeps — and it restores warm and token-exact. At tensor parallel size 2, where
-gpuckpt does not carry the state group, it starts all the same; its checkpoint holds the ledger
-and no pages, and its restore is cold with the group named.
+boundaries vLLM keeps — and it restores warm and token-exact. At tensor parallel size 2 it
+restores warm and token-exact onto the same size, and cold onto another, naming the state
+group. With a single KV head at that size (its ranks hold replicas of the head and different
+state), gpuckpt does not carry the state group: the worker starts all the same, its checkpoint
+holds the ledger and no pages, and its restore is cold with the group named.
 """
 
 from __future__ import annotations
@@ -155,10 +157,12 @@ def test_a_state_space_model_is_carried(runs: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def uncarried(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """The same Qwen3-Next at tensor parallel size 2, where its state group is not carried (a state
-    block is split between ranks by heads of its own, not by attention heads): checkpointed and
-    restored, each worker alone on the CPUs (two ranks)."""
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The same Qwen3-Next at tensor parallel size 2 (each rank holds one of its 2 KV heads and its
+    share of the state heads): checkpointed mid-decode and restored at the same size (each worker
+    alone on the CPUs), and the same checkpoint restored onto one rank. Beside it, a Qwen3-Next
+    with a single KV head at the same size — its ranks hold replicas of that head and different
+    state, which gpuckpt does not carry — checkpointed and restored onto one rank."""
     tmp = tmp_path_factory.mktemp("vllm-hybrid-tp2")
     base = {
         "model": str(write_tiny_qwen3_next(tmp / "model")),
@@ -169,14 +173,52 @@ def uncarried(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "max_tokens": 60,
         "tp": 2,
     }
-    at = {n: {"socket": str(tmp / f"{n}.sock"), "staging": str(tmp / f"stage-{n}")} for n in "ab"}
+    one = {
+        **base,
+        "model": str(write_tiny_qwen3_next(tmp / "model-1kv", kv_heads=1)),
+        "repo": str(tmp / "repo-1kv"),
+    }
+    at = {n: {"socket": str(tmp / f"{n}.sock"), "staging": str(tmp / f"stage-{n}")} for n in ("a", "b", "c", "d", "e")}
     a = run_worker({**base, **at["a"], "mode": "checkpoint"}, tmp, kill_after_result=True)
+    d = run_worker({**one, **at["d"], "mode": "checkpoint"}, tmp, kill_after_result=True)
     b = run_worker({**base, **at["b"], "mode": "restore", "checkpoint": a["checkpoint"], "turn1": a["turn1"]}, tmp)
-    return {"a": a, "b": b}
+    later = run_workers(
+        {
+            "c": {**base, **at["c"], "tp": 1, "mode": "restore", "checkpoint": a["checkpoint"], "turn1": a["turn1"]},
+            "e": {**one, **at["e"], "tp": 1, "mode": "restore", "checkpoint": d["checkpoint"], "turn1": d["turn1"]},
+        },
+        tmp,
+    )
+    return {"a": a, "b": b, "c": later["c"], "uncarried": d, "uncarried-restored": later["e"]}
 
 
-def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_group(uncarried: dict) -> None:
-    a, b = uncarried["a"], uncarried["b"]
+def test_a_state_space_model_at_tensor_parallel_size_2_restores_warm_onto_the_same_size(tp2: dict) -> None:
+    a, b = tp2["a"], tp2["b"]
+    assert a["kv_groups"] == "g0=mamba@tp2/2;g1=full/2"
+    assert a["checkpoint_stats"]["pages"] > 0
+    assert b["warm"], b["reasons"]
+    assert set(b["restored"]) == set(a["reference"])
+    loaded = b["connector_after_restore"]["restored_tokens"]
+    for rid, r in b["restored"].items():
+        assert r["full"] == a["reference"][rid], rid
+        assert loaded[rid] == r["prompt_len"] - 1, (rid, loaded[rid], r)
+
+
+def test_onto_another_tensor_parallel_size_its_restore_is_cold_naming_the_state_group(tp2: dict) -> None:
+    a, c = tp2["a"], tp2["c"]
+    assert not c["warm"]
+    named = [
+        r
+        for r in c["reasons"]
+        if r.startswith("kv_groups: mismatch") and "KV cache group 0 (mamba): its state is split" in r
+    ]
+    assert named, c["reasons"]
+    assert "(checkpoint 2, here 1)" in named[0], named
+    assert set(c["restored"]) == set(a["reference"])  # resubmitted, recomputed (by another TP size)
+
+
+def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_group(tp2: dict) -> None:
+    a, b = tp2["uncarried"], tp2["uncarried-restored"]
     assert not a["kv"]["hybrid_manager_off"], "a hybrid SSM model needs the hybrid KV cache manager"
     assert a["kv_groups"] == "g0=MambaSpec/2;g1=full/2"
     assert a["checkpoint_stats"]["pages"] == 0
@@ -184,5 +226,5 @@ def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_grou
     assert not b["warm"]
     named = [r for r in b["reasons"] if r.startswith("KV not carried (checkpoint): KV cache group 0 (MambaSpec")]
     assert named, b["reasons"]
-    assert "tensor parallel size 1 only" in named[0], named
+    assert "the model's 1 KV heads are replicated between ranks" in named[0], named
     assert set(b["restored"]) == set(a["reference"])  # resubmitted, recomputed

@@ -137,7 +137,12 @@ class VllmService(WorkerService):
         )
         # the KV cache groups (the hybrid allocator): each page is one group's block; none is
         # carried when one cannot be (see .groups)
-        self.groups = kv_groups(kv_cache_config, self.block_size, tp=self.tp)
+        self.groups = kv_groups(
+            kv_cache_config,
+            self.block_size,
+            tp=self.tp,
+            kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+        )
         self.carried = carried(self.groups)
         self.kv_not_carried = not_carried(self.groups)
         self.rules: list[GroupRule] | None = None  # built once the KV cache manager is bound

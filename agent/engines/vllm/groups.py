@@ -26,8 +26,19 @@ for it:
   of an offered tail (:func:`plan_hit`), and vLLM's manager, whose skip rule
   is "all but the last token", allocates that one block.
 
+At tensor parallel size ``tp > 1`` a state block on each rank holds that
+rank's share of the model's own state heads, which do not follow the
+attention heads the stored pages are split by. Pages are still joined and
+split along the attention view's head axis, which gives each rank back its own
+bytes exactly when it restores onto the same ``tp`` and every rank holds
+attention heads of its own (no replicas): so a state group at ``tp > 1`` is
+recorded with its size (``mamba@tp2``), and a checkpoint with one restores
+warm onto the same tensor parallel size only — elsewhere the pins differ, by
+name, and the ledger replays cold.
+
 A group gpuckpt cannot carry (state in ``mamba_cache_mode='none'``, which
-keeps none for a later hit, or at tensor parallel size > 1; cross-attention;
+keeps none for a later hit, or at a ``tp`` above the model's KV heads;
+cross-attention;
 a group whose block size, page size or page layout differs from the others';
 layers of mixed page sizes in one group) is *named*: the worker starts with
 the allocator on as always, no page is captured or loaded (a request needs
@@ -73,6 +84,8 @@ class KvGroup:
     """Why this group is not carried; ``None`` when it is."""
     page_bytes: int = 0
     """One layer's page (vLLM's ``page_size_bytes``, padding included); 0 where not known."""
+    tp: int = 1
+    """The tensor parallel size a state group's pages are split for (1 for every other kind)."""
 
     @property
     def carried(self) -> bool:
@@ -85,8 +98,12 @@ class KvGroup:
         return self.window is None and self.kind != STATE
 
     def label(self) -> str:
-        """``sliding_window:64`` — the kind with its window, as signatures and reports name it."""
-        return f"{self.kind}:{self.window}" if self.window else self.kind
+        """``sliding_window:64`` — the kind with its window, as signatures and reports name it;
+        ``mamba@tp2`` — a state group at tensor parallel size 2 (its pages restore onto that
+        size only)."""
+        if self.window:
+            return f"{self.kind}:{self.window}"
+        return f"{self.kind}@tp{self.tp}" if self.tp > 1 else self.kind
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,11 +114,12 @@ class KvGroup:
             "block_size": self.block_size,
             "window": self.window,
             "carried": self.carried,
+            **({"tp": self.tp} if self.tp > 1 else {}),
             **({"why_not": self.why_not} if self.why_not else {}),
         }
 
 
-def _kind(spec: Any, tp: int) -> tuple[str, int | None, str | None]:
+def _kind(spec: Any, tp: int, kv_heads: int | None) -> tuple[str, int | None, str | None]:
     """(kind, window, why not carried) of one group's spec (late imports: vLLM's own classes)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -130,9 +148,15 @@ def _kind(spec: Any, tp: int) -> tuple[str, int | None, str | None]:
             return name, None, f"{name}: {why}"
         if int(getattr(spec, "num_speculative_blocks", 0) or 0):
             return name, None, f"{name}: state blocks of speculative decoding are not carried"
-        if tp > 1:
-            # pages are split between ranks by attention heads; a state block's bytes are not heads
-            return name, None, f"{name}: state-space state is carried at tensor parallel size 1 only (this is {tp})"
+        if tp > 1 and (kv_heads is None or kv_heads < tp):
+            # ranks holding replicas of one attention head hold different state: the stored page
+            # keeps one replica's bytes
+            heads = "an unknown number of" if kv_heads is None else str(kv_heads)
+            why = (
+                f"at tensor parallel size {tp} the model's {heads} KV heads are replicated between ranks, "
+                "whose states differ (state is carried where each rank holds KV heads of its own)"
+            )
+            return name, None, f"{name}: {why}"
         return STATE, None, None
     if "Mamba" in name:
         return name, None, f"{name}: state-space / linear-attention state is not carried yet"
@@ -141,13 +165,14 @@ def _kind(spec: Any, tp: int) -> tuple[str, int | None, str | None]:
     return name, None, f"{name}: this kind of KV cache group is not carried yet"
 
 
-def kv_groups(kv_cache_config: Any, block_size: int, *, tp: int = 1) -> list[KvGroup]:
-    """The worker's groups (``tp``: its tensor parallel size), each with why it is not carried (if
-    so). When one group cannot be carried none is: :func:`carried` is then empty."""
+def kv_groups(kv_cache_config: Any, block_size: int, *, tp: int = 1, kv_heads: int | None = None) -> list[KvGroup]:
+    """The worker's groups (``tp``: its tensor parallel size; ``kv_heads``: the model's KV heads in
+    all), each with why it is not carried (if so). When one group cannot be carried none is:
+    :func:`carried` is then empty."""
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
-        kind, window, why = _kind(spec, tp)
+        kind, window, why = _kind(spec, tp, kv_heads)
         layout: tuple[Any, ...] = ()
         if hasattr(spec, "head_size"):
             layout = (
@@ -163,7 +188,8 @@ def kv_groups(kv_cache_config: Any, block_size: int, *, tp: int = 1) -> list[KvG
             page = int(spec.page_size_bytes)
         except Exception:  # a spec that cannot size its page (not one vLLM builds a worker from)
             page = 0
-        out.append(KvGroup(i, kind, type(spec).__name__, len(g.layer_names), bs, window, layout, why, page))
+        shards = tp if kind == STATE else 1
+        out.append(KvGroup(i, kind, type(spec).__name__, len(g.layer_names), bs, window, layout, why, page, shards))
     # The worker half pages by physical slot through an attention layer's view (a state-space
     # layer shares its slot with one, vLLM pads their pages to one size): every carried attention
     # group's layer page must read the same, and every carried group's page be as long.
