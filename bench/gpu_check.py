@@ -8,6 +8,14 @@ SIGKILLs it and restores into a fresh one: warm, canary matched, every
 continuation token-identical to the uninterrupted run, the named backend and
 page format in the manifest; with two GPUs the same at TP=2, and TP=2 → TP=1.
 
+``--hybrid`` checks vLLM's hybrid KV cache manager on the GPU (gpuckpt declares
+``SupportsHMA``): a tiny Gemma-3-style model (sliding-window and full attention
+groups, window 64) warm and token-identical, refused by ``kv_groups`` in a
+worker with the hybrid manager off; a tiny Qwen3-Next (Gated DeltaNet state and
+full attention, ``mamba_cache_mode='align'``: the running state copied before
+the forward, under the GPU's model runner) warm and token-identical — at TP=2
+with two GPUs, and that checkpoint refused by ``kv_groups`` at TP=1.
+
 ``--mla`` and ``--fp8`` check the KV formats of docs/design/vllm-gpu-kv-formats.md
 (each launches workers through the same script, with the engine arguments it
 names):
@@ -29,7 +37,7 @@ names):
 
 Run on a host with a CUDA GPU:
 
-    python bench/gpu_check.py [--mib 1024] [--vllm] [--mla] [--fp8 [--fp8-model PATH]]
+    python bench/gpu_check.py [--mib 1024] [--vllm] [--hybrid] [--mla] [--fp8 [--fp8-model PATH]]
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--block-mib", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="also checkpoint and restore a live vLLM worker")
+    ap.add_argument("--hybrid", action="store_true", help="also sliding-window and state-space workers (HMA on)")
     ap.add_argument("--mla", action="store_true", help="also a DeepSeek-V3-style MLA worker (warm, refused elsewhere)")
     ap.add_argument("--fp8", action="store_true", help="also an FP8-KV worker (warm, refused by KV dtype)")
     ap.add_argument("--fp8-model", help="with --fp8: a checkpoint whose weights carry k/v scales")
@@ -106,6 +115,8 @@ def main() -> int:
     ok = copier_check() and ok
     if args.vllm:
         ok = vllm_checks() and ok
+    if args.hybrid:
+        ok = hybrid_checks() and ok
     if args.mla:
         ok = mla_checks() and ok
     if args.fp8:
@@ -231,15 +242,19 @@ runpy.run_path(%(worker)r, run_name="__main__")
 def _worker(harness: Any, tmp: Path) -> Any:
     """``harness.run_worker`` running the test worker script through a launcher that adds the
     ``LLM`` arguments in ``$GPUCKPT_GPU_CHECK_LLM``."""
+    worker = harness.WORKER
     launcher = tmp / "launch_worker.py"
-    launcher.write_text(_LAUNCHER % {"env": _LLM_EXTRA, "worker": str(harness.WORKER)})
-    harness.WORKER = launcher
+    launcher.write_text(_LAUNCHER % {"env": _LLM_EXTRA, "worker": str(worker)})
 
     def run(args: dict[str, Any], llm: dict[str, Any], **kw: Any) -> Any:
+        # the launcher for this call only: a later check's launcher must run the worker script,
+        # not this launcher (which would run itself), nor one in a deleted directory
         os.environ[_LLM_EXTRA] = json.dumps(llm)
+        harness.WORKER = launcher
         try:
             return harness.run_worker(args, tmp, **kw)
         finally:
+            harness.WORKER = worker
             os.environ.pop(_LLM_EXTRA, None)
 
     return run
@@ -303,12 +318,14 @@ def _warm_then_refused(
     llm: dict[str, Any],
     others: dict[str, dict[str, Any]],
     expect: dict[str, Any],
+    worker: dict[str, Any] | None = None,
 ) -> bool:
     """Checkpoint a worker started with ``llm`` mid-decode, SIGKILL it, restore into a fresh one
     with the same arguments (warm, canary matched, token-identical, one recomputed token a request,
     ``expect``'s pins and namespace fields in the manifest), then into one worker for each of
     ``others`` (name → its ``LLM`` arguments and the pins or namespace fields the refusal must
-    name, under ``"names"``): cold, naming them."""
+    name, under ``"names"``): cold, naming them. ``worker``: more of the test worker script's
+    arguments."""
     import importlib
 
     harness = importlib.import_module("tests.harness.vllm")
@@ -320,6 +337,7 @@ def _warm_then_refused(
         "block_size": 64,
         "gpu_memory_utilization": 0.2,
         "max_tokens": 160,
+        **(worker or {}),
     }
     a = run(
         {**base, "mode": "checkpoint", "socket": str(tmp / f"{label}-a.sock"), "staging": str(tmp / f"{label}-sa")},
@@ -350,6 +368,45 @@ def _warm_then_refused(
         print(f"    reasons {c['reasons']}")
         ok = ok and not c["warm"] and named and replayed
     return ok
+
+
+def hybrid_checks() -> bool:
+    """vLLM's hybrid KV cache manager on this GPU: a sliding-window model and a state-space one,
+    warm and token-identical, refused by name where their groups differ."""
+    import importlib
+
+    models = importlib.import_module("tests.harness.models")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        gemma3 = models.write_tiny_sliding(tmp / "gemma3", kind="gemma3", window=64)
+        ok = _warm_then_refused(
+            "gemma3",
+            gemma3,
+            tmp,
+            {},
+            {"hma_off": {"llm": {"disable_hybrid_kv_cache_manager": True}, "names": ["kv_groups"]}},
+            {"kv_groups": "g0=sliding_window:64/2;g1=full/2"},
+            # the model's own dtype: float32 as in tests/vllm/test_hybrid.py
+            worker={"dtype": "float32"},
+        )
+        two = torch.cuda.device_count() >= 2
+        tp = 2 if two else 1
+        sig = f"g0=mamba{'@tp2' if two else ''}/2;g1=full/2"
+        ok = (
+            _warm_then_refused(
+                "qwen3next",
+                models.write_tiny_qwen3_next(tmp / "qwen3next"),
+                tmp,
+                {"tensor_parallel_size": tp},
+                {"tp1": {"llm": {"tensor_parallel_size": 1}, "names": ["kv_groups"]}} if two else {},
+                {"kv_groups": sig},
+                # a system prompt past the first block boundary (vLLM raises the block size to fit a
+                # state page); greedy only, as on CPU
+                worker={"system_len": 300, "seeded": False},
+            )
+            and ok
+        )
+        return ok
 
 
 def mla_checks() -> bool:
