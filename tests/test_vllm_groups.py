@@ -100,6 +100,9 @@ def test_a_state_space_group_at_tensor_parallel_size_2_is_carried_and_names_its_
     groups = kv_groups(config(full(), mamba()), BS, tp=2, kv_heads=4)
     assert carried(groups) == groups
     assert signature(groups) == "g0=full/2;g1=mamba@tp2/2"
+    unknown = kv_groups(config(full(), mamba()), BS, tp=2)  # the heads not given: not carried
+    assert carried(unknown) == []
+    assert "at tensor parallel size 2 the model's KV heads are not known" in str(not_carried(unknown))
     assert groups[1].to_json()["tp"] == 2
     assert "tp" not in groups[0].to_json()
     verdict, why = compat.kv_groups("g0=full/2;g1=mamba@tp2/2", "g0=full/2;g1=mamba/2")

@@ -151,11 +151,12 @@ def _kind(spec: Any, tp: int, kv_heads: int | None) -> tuple[str, int | None, st
         if tp > 1 and (kv_heads is None or kv_heads < tp):
             # ranks holding replicas of one attention head hold different state: the stored page
             # keeps one replica's bytes
-            heads = "an unknown number of" if kv_heads is None else str(kv_heads)
-            why = (
-                f"at tensor parallel size {tp} the model's {heads} KV heads are replicated between ranks, "
-                "whose states differ (state is carried where each rank holds KV heads of its own)"
+            held = (
+                "the model's KV heads are not known"
+                if kv_heads is None
+                else f"the model's {kv_heads} KV heads are replicated between ranks, whose states differ"
             )
+            why = f"at tensor parallel size {tp} {held} (state is carried where each rank holds KV heads of its own)"
             return name, None, f"{name}: {why}"
         return STATE, None, None
     if "Mamba" in name:
