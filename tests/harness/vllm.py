@@ -62,6 +62,13 @@ def cpu_bind(cpu: int = 0, tp: int = 1) -> str:
     return str(cpus[cpu % len(cpus)])
 
 
+#: the connector settings of a worker a restore will follow, as ``gpuckpt launch`` gives it: its
+#: server holds requests that may be retries until the agent says what it resubmits (its
+#: ``expect``), so a client's retry never races the agent's resubmission into a duplicate. Long
+#: here, where the restore may be slow on a busy host: the agent's ``expect`` ends the hold.
+RESTORE_FOLLOWS: dict[str, Any] = {"retry_hold_s": 600.0}
+
+
 def serve_worker(
     model: Path, tmp: Path, name: str, args: list[str] = ARGS, extra: dict[str, Any] | None = None, *, cpu: int = 0
 ) -> ServeProcess:

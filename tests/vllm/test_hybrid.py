@@ -7,7 +7,8 @@ past the window — blocks have left it — and restored into a fresh engine, wa
 the KV capacity vLLM allocates with gpuckpt loaded equals the capacity without it.
 
 A tiny Qwen3-Next (Gated DeltaNet linear attention and full attention: a state-space group in
-vLLM's ``mamba_cache_mode='align'``, 160-token blocks) starts with the allocator on too; its
+vLLM's ``mamba_cache_mode='align'``, 160-token blocks) starts with the allocator on too, with
+the KV capacity of a worker without gpuckpt; its
 state blocks are carried — the running state of each request in flight, the states at block
 boundaries vLLM keeps — and it restores warm and token-exact. At tensor parallel size 2 it
 restores warm and token-exact onto the same size, and cold onto another, naming the state
@@ -57,7 +58,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         f"{k}-b": {**base[k], **at(k, "b"), "mode": "restore", "checkpoint": a[k]["checkpoint"], "turn1": a[k]["turn1"]}
         for k in every
     }
-    jobs |= {f"{k}-plain": {**base[k], **at(k, "plain"), "mode": "capacity", "connector": False} for k in KINDS}
+    jobs |= {f"{k}-plain": {**base[k], **at(k, "plain"), "mode": "capacity", "connector": False} for k in every}
     # every load of the restore fails (two KV cache groups: vLLM takes no failed block ids from such
     # a worker, only failed requests)
     jobs["gemma3-fail"] = {
@@ -68,10 +69,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     done = run_workers(jobs, tmp)
     runs = {k: {"a": a[k], "b": done[f"{k}-b"], "plain": done[f"{k}-plain"]} for k in KINDS}
     runs["gemma3"]["fail"] = done["gemma3-fail"]
-    return runs | {"qwen3next": {"a": a["qwen3next"], "b": done["qwen3next-b"]}}
+    return runs | {"qwen3next": {"a": a["qwen3next"], "b": done["qwen3next-b"], "plain": done["qwen3next-plain"]}}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "qwen3next"])
 def test_the_hybrid_manager_stays_on_and_the_kv_capacity_is_unchanged(runs: dict, kind: str) -> None:
     r = runs[kind]
     assert not r["a"]["kv"]["hybrid_manager_off"], "gpuckpt turned vLLM's hybrid KV cache manager off"

@@ -31,7 +31,7 @@ from ckpt import Repository
 from tests.harness.clients import Calls, call, checkpoint_during, generated
 from tests.harness.models import write_tiny_qwen3_next, write_tiny_sliding
 from tests.harness.vllm import ARGS as SERVE_ARGS
-from tests.harness.vllm import serve_worker
+from tests.harness.vllm import RESTORE_FOLLOWS, serve_worker
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def served(
     with serve_worker(model, tmp, "a", args) as a:
         a.wait_ready()
         # B starts while A works, on another CPU (an engine start costs ~20 s here)
-        b_early = module_cleanup.enter_context(serve_worker(model, tmp, "b", args, cpu=1))
+        b_early = module_cleanup.enter_context(serve_worker(model, tmp, "b", args, RESTORE_FOLLOWS, cpu=1))
         probe = canary.record(a.client.generate)
         calls = {k: partial(call, a.url, k, *reqs[k]) for k in reqs}
         m, ref = checkpoint_during(a, calls, repo, live=len(reqs), canary=probe)

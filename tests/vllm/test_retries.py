@@ -47,7 +47,7 @@ from tests.harness.models import CHAT_TEMPLATE
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
 from tests.harness.vllm import ARGS as SERVE_ARGS
-from tests.harness.vllm import ENV, serve_worker
+from tests.harness.vllm import ENV, RESTORE_FOLLOWS, serve_worker
 
 pytestmark = pytest.mark.slow
 
@@ -177,9 +177,9 @@ def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:
     return path
 
 
-def worker(model: Path, tmp: Path, name: str, cpu: int = 0) -> ServeProcess:
+def worker(model: Path, tmp: Path, name: str, cpu: int = 0, extra: dict[str, Any] | None = None) -> ServeProcess:
     """A test worker (connector and middleware), with the tokenizer, serving the model as "m"."""
-    return serve_worker(model, tmp, name, [*ARGS, "--served-model-name", "m"], cpu=cpu)
+    return serve_worker(model, tmp, name, [*ARGS, "--served-model-name", "m"], extra, cpu=cpu)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def retried(
         a.wait_ready()
         # B starts once A is up, while A works, on another CPU: an engine start costs ~20 s here,
         # and B is still fresh when its turn comes
-        b_early = module_cleanup.enter_context(worker(model, tmp, "b", cpu=1))
+        b_early = module_cleanup.enter_context(worker(model, tmp, "b", cpu=1, extra=RESTORE_FOLLOWS))
         probe = canary.record(a.client.generate)
         calls = {k: partial(call, a.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()}
         m, ref = checkpoint_during(a, calls, repo, live=sum(n for _, _, n in reqs.values()), canary=probe)
