@@ -68,7 +68,7 @@ from agent.engines.service import InjectedFault, Reply, Waiter, WorkerService
 from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, chunk_pages
 from agent.engines.vllm.capture import CopyJob, Pending, Stream
 from agent.engines.vllm.describe import describe
-from agent.engines.vllm.groups import STATE, GroupRule, carried, group_key, kv_groups, not_carried
+from agent.engines.vllm.groups import STATE, GroupRule, carried, group_key, not_carried, worker_groups
 from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
 from agent.engines.vllm.meta import tail_key
 from agent.fs import Trust
@@ -137,12 +137,7 @@ class VllmService(WorkerService):
         )
         # the KV cache groups (the hybrid allocator): each page is one group's block; none is
         # carried when one cannot be (see .groups)
-        self.groups = kv_groups(
-            kv_cache_config,
-            self.block_size,
-            tp=self.tp,
-            kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
-        )
+        self.groups = worker_groups(vllm_config, kv_cache_config)
         self.carried = carried(self.groups)
         self.kv_not_carried = not_carried(self.groups)
         self.rules: list[GroupRule] | None = None  # built once the KV cache manager is bound

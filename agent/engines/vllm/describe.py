@@ -18,7 +18,7 @@ import vllm
 from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
-from agent.engines.vllm.groups import LEGACY_SIGNATURE, kv_groups, not_carried, signature
+from agent.engines.vllm.groups import LEGACY_SIGNATURE, not_carried, signature, worker_groups
 from ckpt import ABSENT, fingerprint
 from ckpt.pins import GPU_FACTS
 
@@ -79,9 +79,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
     """
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    groups = kv_groups(
-        kv_cache_config, cc.block_size, tp=int(pc.tensor_parallel_size), kv_heads=int(mc.get_total_num_kv_heads())
-    )
+    groups = worker_groups(vllm_config, kv_cache_config)
     # the first carried group's spec describes a page (every carried group's reads the same, see
     # .groups); a physical page holds as many layer slots as the largest group has layers
     group = next((g for g, d in zip(kv_cache_config.kv_cache_groups, groups, strict=True) if d.layout), None)

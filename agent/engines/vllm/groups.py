@@ -217,6 +217,17 @@ def kv_groups(kv_cache_config: Any, block_size: int, *, tp: int = 1, kv_heads: i
     return out
 
 
+def worker_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:
+    """:func:`kv_groups` of the worker ``vllm_config`` describes (its block size, tensor parallel
+    size and the model's KV heads): what the service carries and what ``describe`` pins, alike."""
+    return kv_groups(
+        kv_cache_config,
+        int(vllm_config.cache_config.block_size),
+        tp=int(vllm_config.parallel_config.tensor_parallel_size),
+        kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+    )
+
+
 def _refused(g: KvGroup, why: str) -> KvGroup:
     return dataclasses.replace(g, why_not=why)
 
