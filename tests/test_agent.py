@@ -631,3 +631,58 @@ def test_restore_dry_run_prints_the_compatibility_table_and_exits_5_when_refused
     r = runner.invoke(app, [*args, "--dry-run"])
     assert r.exit_code == 5
     assert "cold: replay the ledger" in r.output
+
+
+class _HoldingClient:
+    """A worker's client as the restore sees it: each renewal of the retry hold recorded, the
+    worker's answer (the seconds the hold has left) as the test sets it."""
+
+    def __init__(self, answer: float = 30.0, fail_first: bool = False) -> None:
+        self.calls: list[float] = []
+        self.answer = answer
+        self.fail_first = fail_first
+        self.cond = threading.Condition()
+
+    def hold_retries(self, seconds: float) -> float:
+        with self.cond:
+            self.calls.append(seconds)
+            self.cond.notify_all()
+            if self.fail_first and len(self.calls) == 1:
+                raise httpx.ConnectError("the worker's server is restarting")
+            return self.answer
+
+    def wait_calls(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.calls) >= n, timeout=60), self.calls
+
+
+def test_the_restore_keeps_renewing_the_workers_retry_hold_until_it_is_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """However long the restore runs (a large checkpoint from a bucket), the agent keeps the
+    worker's server holding possible retries by renewing a short lease; a failed renewal is
+    retried; after ``stop`` nothing renews (the agent says what it resubmits next)."""
+    from agent.daemon import restore_at_start as ras
+
+    monkeypatch.setattr(ras, "HOLD_RENEW_S", 0.01)
+    client = _HoldingClient(fail_first=True)
+    hold = ras._RetryHold(client)  # type: ignore[arg-type]
+    hold.start()
+    client.wait_calls(4)  # a restore several leases long; the first renewal failed and was retried
+    hold.stop()
+    assert hold._thread is not None
+    assert not hold._thread.is_alive(), "nothing renews after stop"
+    assert set(client.calls) == {ras.HOLD_LEASE_S}
+    # a worker that holds nothing (released, no middleware): one try, then no thread
+    quiet = _HoldingClient(answer=0.0)
+    idle = ras._RetryHold(quiet)  # type: ignore[arg-type]
+    idle.start()
+    assert idle._thread is not None
+    idle._thread.join(60)
+    assert not idle._thread.is_alive()
+    assert quiet.calls == [ras.HOLD_LEASE_S]
+    # an engine whose client has no hold (SGLang): nothing to renew
+    none = ras._RetryHold(object())  # type: ignore[arg-type]
+    none.start()
+    assert none._thread is None
+    none.stop()

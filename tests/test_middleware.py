@@ -135,3 +135,72 @@ def test_the_token_file_is_written_for_the_agent_only(tmp_path: Path) -> None:
     p = token_path(sock)
     assert p.read_text() == token
     assert p.stat().st_mode & 0o077 == 0
+
+
+async def _post(mw: GpuckptMiddleware, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    """One POST through the middleware to an app that answers ``{}`` (the engine's handler)."""
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in {**headers, "content-length": str(len(raw))}.items()],
+        "app": SimpleNamespace(state=SimpleNamespace(_state={}, engine_client=None, vllm_config=None)),
+    }
+    got: dict[str, Any] = {"headers": {}}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            got["status"] = msg["status"]
+        else:
+            got["body"] = json.loads(msg["body"])
+
+    await mw(scope, receive, send)
+    return got
+
+
+def test_the_agent_renews_the_retry_hold_while_it_restores_and_expect_ends_it() -> None:
+    """A restore longer than the worker's first hold (a large checkpoint from a bucket): the
+    agent's renewals keep a retry waiting past the first hold's end, so it cannot start a
+    duplicate of the continuation about to be resubmitted; the agent's ``expect`` lets it go,
+    and after that a renewal holds nothing. Only the agent (the token) renews."""
+    from agent.engines.vllm.middleware import EXPECT_PATH, MAX_HOLD_S
+
+    async def scenario() -> None:
+        mw = GpuckptMiddleware(None)
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        mw.app = app
+        await _post(mw, "/v1/completions", {"prompt": [1]}, {})  # sets the server up
+        server = mw._server
+        assert server is not None
+        server.token = "t0k"
+        agent = {TOKEN_HEADER: "t0k"}
+        loop = asyncio.get_running_loop()
+        server.hold_until = time.monotonic() + 0.2  # the first hold, about to run out
+        retry = loop.create_task(_post(mw, "/v1/chat/completions", {"messages": []}, {"X-Request-Id": "r9"}))
+        await asyncio.sleep(0)  # the retry is held
+        assert (await _post(mw, EXPECT_PATH, {"hold_s": 5.0}, {}))["status"] == 403
+        got = await _post(mw, EXPECT_PATH, {"hold_s": 1e9}, agent)
+        assert got["status"] == 200
+        assert 0 < got["body"]["held_s"] <= MAX_HOLD_S, "one renewal reaches MAX_HOLD_S at most"
+        # a renewal never shortens the hold
+        assert (await _post(mw, EXPECT_PATH, {"hold_s": 1.0}, agent))["body"]["held_s"] > 1.0
+        await asyncio.sleep(0.5)  # well past the first hold's end (timers fire in order)
+        assert not retry.done(), "the renewed hold keeps the retry waiting for the agent's word"
+        got = await _post(mw, EXPECT_PATH, {"requests": []}, agent)  # nothing resubmitted: released
+        assert got["body"] == {"expected": 0}
+        assert (await asyncio.wait_for(retry, 60))["status"] == 200
+        # released: a late renewal holds nothing, and the next request goes straight through
+        assert (await _post(mw, EXPECT_PATH, {"hold_s": 30.0}, agent))["body"]["held_s"] == 0.0
+        done = await asyncio.wait_for(_post(mw, "/v1/chat/completions", {"messages": []}, {"X-Request-Id": "r10"}), 60)
+        assert done["status"] == 200
+
+    asyncio.run(scenario())

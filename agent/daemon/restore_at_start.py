@@ -191,9 +191,11 @@ class RestoreAtStart:
             self._release(f"worker not reachable: {self._worker_error()}")
             return self._update(outcome="failed", reasons=(f"worker not reachable: {self._worker_error()}",))
         client = self.engine.client(cfg.worker_url) if cfg.worker_url else None
+        hold = _RetryHold(client)
         try:
             if client is not None:
                 client.wait_ready(budget)
+                hold.start()
             plan = session.restore(
                 self.repo,
                 ref,
@@ -208,6 +210,7 @@ class RestoreAtStart:
                 ),
             )
         except Exception as exc:
+            hold.stop()
             report = self._update(outcome="failed", reasons=(describe_error(exc),))
             self.metrics.restores.labels(outcome="failed", reason=type(exc).__name__).inc()
             self._on_error({"at": now(), "operation": "restore", "error": describe_error(exc)})
@@ -217,6 +220,8 @@ class RestoreAtStart:
                 _release_retries(client)
                 client.close()
             return report
+        # what is resubmitted is said next (expect, or release): the last renewal's lease covers it
+        hold.stop()
         return self._planned(plan, info.id, client, t0)
 
     # -- adoption by claim (ckpt/claims.py) --------------------------------------------------------
@@ -400,6 +405,48 @@ class RestoreAtStart:
             )
         log.info("resubmitted requests finished", extra={"requests": len(requests)})
         self._part_done()
+
+
+#: the lease the agent keeps on the worker's retry hold while its restore runs, and how often it
+#: renews it: a hold lapses at most ``HOLD_LEASE_S`` after an agent that died mid-restore
+HOLD_LEASE_S = 30.0
+HOLD_RENEW_S = 10.0
+
+
+class _RetryHold:
+    """Keeps a vLLM worker's server holding possible retries while the restore runs, however long
+    it takes (a large checkpoint from a bucket): a thread renews a short lease
+    (``ServeClient.hold_retries``) until :meth:`stop`. The hold itself ends when the agent says
+    what it resubmits (``expect``) or that it resubmits nothing (``release``); renewals after
+    that hold nothing. A worker without gpuckpt's middleware, or an engine whose client has no
+    such hold (SGLang), gets no thread."""
+
+    def __init__(self, client: ServingClient | None) -> None:
+        self._renew: Callable[[float], float] | None = getattr(client, "hold_retries", None)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._renew is not None:
+            self._thread = threading.Thread(target=self._run, name="gpuckpt-retry-hold", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert self._renew is not None
+        while True:
+            try:
+                if self._renew(HOLD_LEASE_S) <= 0:
+                    return  # nothing held there (no middleware or token, or already released)
+            except Exception as exc:  # the next renewal may get through; the lease covers the gap
+                log.warning("could not renew the worker's retry hold", extra={"error": describe_error(exc)})
+            if self._stop.wait(HOLD_RENEW_S):
+                return
+
+    def stop(self) -> None:
+        """No more renewals (before the client is used to say what is resubmitted, or closed)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=HOLD_RENEW_S)
 
 
 def _release_retries(client: ServingClient) -> None:

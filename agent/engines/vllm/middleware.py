@@ -33,6 +33,15 @@ completions endpoints (``POST /v1/chat/completions``, ``POST /v1/completions``):
    (those of the tokens before the checkpoint are not carried) — is served as
    a new request, and the response header ``X-Gpuckpt-Attach`` says why.
 
+**Holding retries for a restore.** A worker started with a restore to follow
+(``retry_hold_s`` in ``kv_connector_extra_config``: ``gpuckpt launch`` sets it
+when there is a checkpoint) holds requests that carry an ``X-Request-Id``, each
+a possible retry, until the agent's ``expect`` says what it resubmits. The
+agent renews the hold while its restore runs (``{"hold_s": …}`` on the same
+endpoint), so a restore longer than the first hold (a large checkpoint from a
+bucket) still lets no retry start a duplicate, and the hold lapses shortly
+after an agent that died.
+
 The response header ``X-Gpuckpt-Attach`` is ``attached``, ``reissue`` or
 ``new: <why>`` on every request the middleware considered. Nothing here can
 fail a request: any error of ours is logged and the request goes on as vLLM
@@ -89,6 +98,10 @@ TOKEN_SUFFIX = ".api-token"  # noqa: S105 - a file name
 #: how long a retry waits for the continuation it expects (the agent's ``expect``), or a router's
 #: re-issue for the continuation to reach the tokens it delivered
 WAIT_S = 60.0
+
+#: the longest one renewal of the retry hold may reach (the agent renews a short lease while it
+#: restores; ``POST /gpuckpt/v1/expect`` with ``{"hold_s": …}``)
+MAX_HOLD_S = 600.0
 
 _CTX: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("gpuckpt_call", default=None)
 
@@ -430,12 +443,11 @@ class GpuckptMiddleware:
         elif _authentic(server, headers):
             pass  # the agent's own request (the canary): never held, never attached
         elif base := headers.get("x-request-id"):
-            if (left := server.hold_until - time.monotonic()) > 0:
-                # the agent has yet to say what it resubmits: a retry must not start a duplicate
-                try:
+            # the agent has yet to say what it resubmits: a retry must not start a duplicate. The
+            # hold may be renewed while this request waits (a long restore), so it is read again
+            while not server.released.is_set() and (left := server.hold_until - time.monotonic()) > 0:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(server.released.wait(), left)
-                except TimeoutError:
-                    server.hold_until = 0.0
             key = (base, endpoint)
             cont = book.get(base, endpoint)
             if cont is None and key in book.left:
@@ -516,6 +528,8 @@ async def _expect(server: _Server, headers: dict[str, str], body: bytes, send: A
         return await _json(send, 403, {"error": {"message": "gpuckpt: expect needs this worker's token"}})
     try:
         doc = json.loads(body)
+        if "hold_s" in doc:
+            return await _json(send, 200, {"held_s": _renew_hold(server, float(doc["hold_s"]))})
         ids = [(str(r["id"]), int(r.get("n") or 1), r.get("left")) for r in doc["requests"]]
         wait_s = min(float(doc.get("wait_s", server.wait_s)), 600.0)
     except (ValueError, KeyError, TypeError) as exc:
@@ -534,6 +548,20 @@ async def _expect(server: _Server, headers: dict[str, str], body: bytes, send: A
             server.book.expected[parsed[:2]] = deadline
             n += 1
     await _json(send, 200, {"expected": n})
+
+
+def _renew_hold(server: _Server, hold_s: float) -> float:
+    """The agent's restore is still under way: hold possible retries ``hold_s`` seconds more from
+    now (at most :data:`MAX_HOLD_S`; a renewal never shortens the hold). The agent renews while it
+    restores, so the hold outlasts a restore of any length, and lapses soon after an agent that
+    died. Once the agent has said what it resubmits (or that it resubmits nothing), nothing holds
+    again. Returns the seconds the hold has left."""
+    if server.released.is_set():
+        return 0.0
+    now = time.monotonic()
+    if hold_s > 0:  # false for NaN too
+        server.hold_until = max(server.hold_until, now + min(hold_s, MAX_HOLD_S))
+    return max(0.0, server.hold_until - now)
 
 
 async def _read_body(receive: Any) -> bytes:

@@ -331,6 +331,18 @@ class ServeClient:
         if token is not None:
             self.expect([], token)
 
+    def hold_retries(self, seconds: float) -> float:
+        """The restore is still under way: the worker's middleware holds possible retries
+        ``seconds`` more (a lease the agent renews while it restores; nothing holds once
+        :meth:`expect` or :meth:`release` was sent). Returns the seconds the hold has left; 0
+        where the worker holds nothing (released, or no gpuckpt middleware or token)."""
+        token = self.token()
+        if token is None:
+            return 0.0
+        r = self._http.post(EXPECT_PATH, json={"hold_s": seconds}, headers={TOKEN_HEADER: token})
+        check_response(r)
+        return float(r.json().get("held_s", 0.0))
+
     def submit(
         self, requests: Iterable[Resubmission], *, max_concurrency: int = 64, stream: bool = True
     ) -> dict[str, Completion]:
