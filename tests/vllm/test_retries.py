@@ -317,9 +317,10 @@ def _launch(model: Path, rdir: Path, repo: Path, port: int, log: Path) -> subpro
     argv = [*CLI, "launch", "--worker-id", "w1", "--runtime-dir", str(rdir)]
     argv += ["--repo", str(repo), "--", sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     argv += ["--model", str(model), "--port", str(port), *ARGS, "--served-model-name", "m"]
-    return subprocess.Popen(
-        argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **ENV}, start_new_session=True
-    )
+    # as fleets run their workers: vLLM refuses any KV connector beside expandable segments, and
+    # gpuckpt's plugin exempts its own (tests/test_vllm_plugin.py); the launched worker must start
+    env = {**os.environ, **ENV, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _until(pred: Any, timeout: float, what: str, proc: subprocess.Popen[bytes], log: Path) -> Any:
