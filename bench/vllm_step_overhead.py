@@ -464,7 +464,7 @@ def main() -> None:
     ap.add_argument(
         "--noop", action="store_true", help="add a no-op connector (vLLM's own connector cost, apart from gpuckpt's)"
     )
-    ap.add_argument("--models", default="dense,sliding", help="comma-separated: dense, sliding")
+    ap.add_argument("--models", default="dense,sliding", help="comma-separated: dense, sliding, dense-8L")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, default=3, help="timed batches per engine; the fastest counts")
@@ -492,6 +492,9 @@ def main() -> None:
     models = {
         "dense": lambda: make_model(root, layers=2, hidden=256, heads=4, kv_heads=2, vocab=512, dtype="float32"),
         "sliding": lambda: make_sliding_model(root),
+        # a step nearer a GPU's (10–30 ms for a real model there): the same per-step machinery,
+        # divided by a forward of 8 layers and a 32k vocabulary
+        "dense-8L": lambda: make_model(root, layers=8, hidden=768, heads=12, kv_heads=4, vocab=32000, dtype="float32"),
     }
     env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
     in_process = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

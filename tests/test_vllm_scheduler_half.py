@@ -80,6 +80,34 @@ def test_a_capture_copies_a_live_requests_own_blocks_and_names_it_in_the_ledger(
     halves.channel.cancel(cap.seq)
 
 
+def test_a_request_whose_input_the_ledger_cannot_carry_is_left_to_its_client(halves: VllmHalves) -> None:
+    """A prompt given as embeddings: its token ids are placeholders (0), the same for every
+    embedding. The capture files it apart in the ledger (no tokens; never resubmitted on another
+    input) and keeps its full blocks under vLLM's own hashes, which hash the embeddings, but not
+    its partial tail, whose key would be made of those placeholders."""
+    embeds = torch.randn(40, 256)  # 40 positions: two full blocks and a tail
+    req = halves.add_request("e1", None, prompt_embeds=embeds)
+    halves.channel.wait(when={"live": 1, "min_outputs": 2}, timeout=30)
+    cap = halves.channel.capture(timeout=30)
+    data = cap.ledger["data"]
+    assert data["requests"] == []
+    assert data["left_to_client"] == [
+        {
+            "request_id": "e1",
+            "client_request_id": "e1",
+            "left_to_client": "its prompt embeddings are not carried by the ledger",
+        }
+    ]
+    assert cap.get("left_requests") == 1
+    pf = staging.PageFile(str(cap.get("index")), mapped=False)
+    blocks = halves.block_ids("e1")
+    for i, h in enumerate(req.block_hashes[:2]):
+        assert bytes(pf.page(bytes(h))) == page_of(halves, blocks[i]), f"block {i} is the request's own"
+    assert len(pf.index.keys) == 2, "the full blocks only: no tail keyed by placeholder ids"
+    pf.close()
+    halves.channel.cancel(cap.seq)
+
+
 def test_keys_are_vllms_block_hashes(halves: VllmHalves) -> None:
     from vllm import SamplingParams
     from vllm.v1.request import Request

@@ -248,7 +248,8 @@ class Resubmission:
     ``api``: the API-level facts the worker's server recorded for the original
     request (endpoint, body and tenant digests), which let the restored
     worker hand the continuation to the client's retry; ``None`` when the
-    request did not come through such a server.
+    request did not come through such a server. ``left_to_client``: the
+    request is not resubmitted (see the field).
     """
 
     request_id: str
@@ -261,6 +262,9 @@ class Resubmission:
     exact: bool = True
     reasons: tuple[str, ...] = ()
     api: dict[str, Any] | None = None
+    #: not to be resubmitted at all: the ledger could not carry its input (prompt embeddings,
+    #: images; why). Its client's retry sends the whole input again and is served as new.
+    left_to_client: str | None = None
 
 
 def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:

@@ -96,12 +96,13 @@ class VllmHalves:
         self._thread = threading.Thread(target=self._run, name="vllm-halves", daemon=True)
         self._thread.start()
 
-    def add_request(self, request_id: str, prompt: list[int], max_tokens: int = 1000) -> Any:
-        """A request as the engine would add it (hashed with the engine's block hasher)."""
+    def add_request(self, request_id: str, prompt: list[int] | None, max_tokens: int = 1000, **kw: Any) -> Any:
+        """A request as the engine would add it (hashed with the engine's block hasher); ``kw``:
+        more of ``Request``'s arguments (``prompt_embeds``, say)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        r = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=self.hasher)
+        r = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=self.hasher, **kw)
         with self.lock:
             self.scheduler.add_request(r)
         return r

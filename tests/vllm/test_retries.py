@@ -58,6 +58,7 @@ ARGS = [
     "16",
     "--structured-outputs-config",
     json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+    "--enable-prompt-embeds",
 ]
 N = 160
 SCHEMA = {
@@ -151,6 +152,12 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
             },
             1,
         ),
+        # a prompt given as embeddings: the ledger cannot carry it, so it is left to its client
+        "embeds": (
+            "completions",
+            {"prompt_embeds": prompt_embeds(rng, 36), "temperature": 0.0, "max_tokens": N, **NOEOS, "stream": True},
+            1,
+        ),
         "regex": (
             "chat",
             {
@@ -164,6 +171,19 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
             1,
         ),
     }
+
+
+def prompt_embeds(rng: random.Random, n: int, hidden: int = 256) -> str:
+    """A prompt of ``n`` embeddings of the tiny Llama's width, as the completions API takes it
+    (``torch.save``, base64)."""
+    import base64
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.tensor([[rng.gauss(0.0, 1.0) for _ in range(hidden)] for _ in range(n)]), buf)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:
@@ -243,6 +263,13 @@ def retried(
     return out
 
 
+#: the retries a restore leaves to be computed anew, and the header that says why
+LEFT = {
+    "logprobs": "new: logprobs of the tokens before the checkpoint are not carried",
+    "embeds": "new: its prompt embeddings are not carried by the ledger",
+}
+
+
 def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: dict[str, Any]) -> None:
     entries = {e["client_request_id"]: e for e in retried["checkpoint"].ledger.data["requests"]}
     assert set(entries) == {
@@ -257,6 +284,16 @@ def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: d
         "cmpl-mixed-0",
         "chatcmpl-regex",
     }
+    # the request whose prompt came as embeddings is not among them: its input is not carried,
+    # and it is filed apart, without tokens, so that no reader resubmits it on another input
+    assert retried["checkpoint"].ledger.data["left_to_client"] == [
+        {
+            "request_id": retried["checkpoint"].ledger.data["left_to_client"][0]["request_id"],
+            "client_request_id": "cmpl-embeds-0",
+            "left_to_client": "its prompt embeddings are not carried by the ledger",
+            "api": retried["checkpoint"].ledger.data["left_to_client"][0]["api"],
+        }
+    ]
     for cid, e in entries.items():
         assert e["exact"], (cid, e["inexact_reasons"])
         assert len(e["output_token_ids"]) >= 40, "checkpointed mid-decode"
@@ -268,9 +305,7 @@ def test_each_retry_gets_the_whole_uninterrupted_answer(retried: dict[str, Any])
     assert retried["plan"].warm, retried["plan"].reasons
     for k, ref in retried["reference"].items():
         got = retried["retries"][k]
-        assert got["attach"] == (
-            "new: logprobs of the tokens before the checkpoint are not carried" if k == "logprobs" else "attached"
-        ), (k, got["attach"])
+        assert got["attach"] == LEFT.get(k, "attached"), (k, got["attach"])
         assert got["choices"].keys() == ref["choices"].keys(), k
         for i, c in ref["choices"].items():
             assert got["choices"][i]["ids"] == c["ids"], f"{k} choice {i}: tokens differ from the uninterrupted run"
@@ -282,10 +317,13 @@ def test_each_retry_gets_the_whole_uninterrupted_answer(retried: dict[str, Any])
 
 def test_the_missing_tokens_are_generated_once(retried: dict[str, Any]) -> None:
     resumed = retried["resumed"]
-    # the logprobs request's retry cannot be served from a continuation: it is left to the retry
+    # the logprobs request's retry cannot be served from a continuation, and the ledger does not
+    # carry the embeddings request's input: each is left to its retry, which computes it whole
     assert "logprobs" in resumed["cmpl-logprobs-0"].left_to_client
-    assert resumed["cmpl-logprobs-0"].token_ids == []
-    again = len(retried["reference"]["logprobs"]["choices"][0]["ids"])
+    assert "embeddings" in resumed["cmpl-embeds-0"].left_to_client
+    for cid in ("cmpl-logprobs-0", "cmpl-embeds-0"):
+        assert resumed[cid].token_ids == []
+    again = sum(len(retried["reference"][k]["choices"][0]["ids"]) for k in ("logprobs", "embeds"))
     assert retried["generated"] == sum(len(c.token_ids) for c in resumed.values()) + again
     for e in retried["checkpoint"].ledger.data["requests"]:
         cid = e["client_request_id"]

@@ -151,7 +151,8 @@ class Capturer(WorkerService):
             n = state.kv_tokens(r)
             extra_key, salt = getattr(r, "extra_key", None), getattr(r, "cache_salt", None)
             entries.append(state.ledger_entry(r, n))
-            if n <= 0:
+            # a prompt given as embeddings has made-up token ids: its pages have no key of their own
+            if n <= 0 or getattr(r, "input_embeds", None) is not None:
                 continue
             firsts = row[r.kv.req_pool_idx, :n:p].tolist()  # each page's first slot
             keys = state.page_keys(toks, n, p, extra_key, salt)
@@ -282,7 +283,8 @@ class Capturer(WorkerService):
             "pinned_nodes": len(pins),
             "tail_pages": sum(1 for pg in mutable.values() if pg.valid is not None),
             "requests": len(entries),
-            "inexact_requests": sum(1 for e in entries if e["inexact_reasons"]),
+            "inexact_requests": sum(1 for e in entries if e.get("inexact_reasons")),
+            "left_requests": sum(1 for e in entries if ledger_mod.LEFT in e),
             "skipped": [k.hex() for k in skipped],
             "prefix_only": prefix_only,
             "plan_s": time.monotonic() - t0,

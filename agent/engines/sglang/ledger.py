@@ -16,6 +16,10 @@ boundary::
      "return_logprob": bool,
      "inexact_reasons": [why a resubmission cannot continue exactly, …]}
 
+and, where the capture held requests whose input the ledger cannot carry
+(:func:`uncarried_input`), ``data["left_to_client"]``: ``[{"rid",
+"left_to_client": why}, …]`` — no tokens, never resubmitted.
+
 **What continues exactly**: a request resubmitted as prompt + outputs with
 ``max_new_tokens`` (and ``min_new_tokens``) reduced by the outputs continues
 from the exact next token when its next token depends on those tokens and
@@ -118,11 +122,40 @@ def inexact_reasons(sampling: dict[str, Any], *, outputs: int, return_logprob: b
     return reasons
 
 
+#: the ledger's ``data`` key of the requests whose input it cannot carry (input embeddings, images,
+#: audio, video: SGLang's token ids there are placeholders), each ``{"rid", "left_to_client": why}``;
+#: apart from ``requests`` so that no reader, an older one included, resubmits one of them
+LEFT = "left_to_client"
+
+
+def uncarried_input(req: Any) -> str | None:
+    """Why the ledger cannot carry an SGLang ``Req``'s input (``None``: it can): its prompt came as
+    embeddings (SGLang then makes up its token ids), or it holds multimodal items (whose tokens
+    are pad values standing for each item). Resubmitting its ids would run another input."""
+    if getattr(req, "input_embeds", None) is not None:
+        return "its input embeddings are not carried by the ledger"
+    if getattr(req, "multimodal_inputs", None) is not None:
+        return "its multimodal inputs (images, audio, video) are not carried by the ledger"
+    return None
+
+
 def make_ledger(entries: list[dict[str, Any]], *, page_size: int) -> Ledger:
-    """The ledger of one capture: ``entries`` as the module docstring describes them."""
-    return Ledger.model_validate(
-        {"schema": SCHEMA, "version": VERSION, "data": {"page_size": page_size, "requests": entries}}
-    )
+    """The ledger of one capture: ``entries`` as the module docstring describes them; an entry
+    with ``left_to_client`` (:func:`uncarried_input`) goes under :data:`LEFT`, without its tokens."""
+    data: dict[str, Any] = {"page_size": page_size, "requests": [e for e in entries if LEFT not in e]}
+    if left := [{"rid": e["rid"], LEFT: e[LEFT]} for e in entries if LEFT in e]:
+        data[LEFT] = left
+    return Ledger.model_validate({"schema": SCHEMA, "version": VERSION, "data": data})
+
+
+def left_entries(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests the ledger could not carry, each with why (none in a ledger before them)."""
+    read(ledger)  # the schema and version checks
+    d = ledger.model_dump(by_alias=True) if isinstance(ledger, Ledger) else ledger
+    left = d["data"].get(LEFT) or []
+    if not isinstance(left, list) or not all(isinstance(e, dict) and isinstance(e.get("rid"), str) for e in left):
+        raise FormatError(f"{SCHEMA}: data.{LEFT} is not a list of requests")
+    return left
 
 
 def read(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
@@ -182,6 +215,20 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 reasons=reasons,
             )
         )
+    for e in left_entries(ledger):
+        why = str(e[LEFT])[:200]
+        out.append(
+            Resubmission(
+                request_id=e["rid"],
+                token_ids=[],
+                num_prompt_tokens=0,
+                output_token_ids=[],
+                sampling={},
+                exact=False,
+                reasons=(f"left to its client: {why}",),
+                left_to_client=why,
+            )
+        )
     return out
 
 
@@ -214,5 +261,5 @@ def key_requests(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def count(ledger: Ledger | dict[str, Any]) -> int:
-    """How many requests the ledger holds."""
-    return len(read(ledger))
+    """Requests the ledger holds, those left to their clients included."""
+    return len(read(ledger)) + len(left_entries(ledger))

@@ -213,9 +213,15 @@ class SglangClient:
     ) -> dict[str, Completion]:
         """Resubmit a restored ledger under the original rids; each completion holds the new tokens
         only (a request's whole output is ``r.output_token_ids + result[r.request_id].token_ids``)."""
-        reqs = list(requests)
+        # a request whose input the ledger does not carry is never resubmitted (it would run on
+        # another input); its client's retry sends the input again
+        given = list(requests)
+        left = {
+            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client) for r in given if r.left_to_client
+        }
+        reqs = [r for r in given if not r.left_to_client]
         if not reqs:
-            return {}
+            return left
         with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:
             futs = {
                 r.request_id: pool.submit(
@@ -230,4 +236,4 @@ class SglangClient:
                 )
                 for r in reqs
             }
-            return {rid: f.result() for rid, f in futs.items()}
+            return {**left, **{rid: f.result() for rid, f in futs.items()}}

@@ -111,6 +111,8 @@ def met(when: dict[str, int] | None, live: list[Any]) -> bool:
 
 def ledger_entry(req: Any, kv: int) -> dict[str, Any]:
     """``req``'s entry in the capture's ledger (``kv``: :func:`kv_tokens`)."""
+    if why := ledger_mod.uncarried_input(req):
+        return {"rid": str(req.rid), ledger_mod.LEFT: why}
     sp = sampling(req.sampling_params)
     return {
         "rid": str(req.rid),

@@ -69,8 +69,8 @@ from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, ch
 from agent.engines.vllm.capture import CopyJob, Pending, Stream
 from agent.engines.vllm.describe import describe
 from agent.engines.vllm.groups import STATE, GroupRule, carried, group_key, not_carried, worker_groups
-from agent.engines.vllm.ledger import RunnerFacts, client_id, make_ledger, request_entry
-from agent.engines.vllm.meta import tail_key
+from agent.engines.vllm.ledger import LEFT, RunnerFacts, client_id, make_ledger, request_entry
+from agent.engines.vllm.meta import tail_identified, tail_key
 from agent.fs import Trust
 
 if TYPE_CHECKING:
@@ -313,6 +313,8 @@ class VllmService(WorkerService):
             return 0
         if pre % bs == 0:
             base = bytes(hashes[n_pre - 1])
+        elif not tail_identified(req, n_pre * bs, pre):
+            return 0
         else:
             parent = bytes(hashes[n_pre - 1]) if n_pre else b""
             lora = getattr(req.lora_request, "lora_name", None)
@@ -483,7 +485,7 @@ class VllmService(WorkerService):
                         mutable.setdefault(key, ids[i])
             kv_held = n_full * bs
             tail = kv_tokens - kv_held
-            if tail > 0 and n_full < n_ids and n_full == kv_tokens // bs:
+            if tail > 0 and n_full < n_ids and n_full == kv_tokens // bs and tail_identified(req, kv_held, kv_tokens):
                 parent = bytes(hashes[n_full - 1]) if n_full else b""
                 toks = req.all_token_ids[kv_held:kv_tokens]
                 tk = tail_key(parent, toks, req.cache_salt, lora)
@@ -519,6 +521,7 @@ class VllmService(WorkerService):
             "tail_pages": len(stored),
             "requests": len(entries),
             "inexact_requests": sum(not e["exact"] for e in entries),
+            "left_requests": sum(LEFT in e for e in entries),
             "tensor_parallel_size": self.tp,
             "kv_not_carried": self.kv_not_carried,
             "prefix_only": prefix_only,

@@ -25,6 +25,12 @@ entry per request the scheduler held at the captured step boundary::
              API-level facts gpuckpt's middleware (:mod:`.middleware`)
              recorded, so a client's retry can be matched to this entry}
 
+and, where the capture held requests whose input the ledger cannot carry
+(prompt embeddings, images, audio, video: :func:`uncarried_input`),
+``data["left_to_client"]``: ``[{"request_id", "client_request_id",
+"left_to_client": why, "api"}, …]`` — no tokens, never resubmitted; kept apart
+from ``requests`` so that no reader, an older one included, resubmits them.
+
 **What continues exactly** (``exact: true``): a request resubmitted as
 prompt + outputs continues from the exact next token when everything that
 decides its next token is carried:
@@ -213,6 +219,23 @@ def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
     return reasons
 
 
+def uncarried_input(req: Any) -> str | None:
+    """Why the ledger cannot carry ``req``'s input, or ``None``: it can (token ids alone).
+
+    A prompt given as embeddings (in whole or mixed with token ids) or a multimodal request
+    (images, audio, video: the token ids there are placeholders, the same for every item) would
+    be resubmitted without what its tokens stand for, so its continuation would come from
+    another input. Such a request is not resubmitted: it is left to its client, whose retry
+    sends the whole input again (:data:`LEFT`)."""
+    if getattr(req, "prompt_embeds", None) is not None or req.prompt_token_ids is None:
+        return "its prompt embeddings are not carried by the ledger"
+    features = getattr(req, "mm_features", None) or ()
+    if features:
+        kinds = sorted({str(getattr(f, "modality", "multimodal")) for f in features})
+        return f"its {'/'.join(kinds)} inputs are not carried by the ledger"
+    return None
+
+
 def request_entry(req: Any, kv_tokens: int, runner: RunnerFacts = RunnerFacts()) -> dict[str, Any]:
     """A live ``vllm.v1.request.Request`` as a ledger entry (called on the scheduler thread; never raises
     for a request it cannot carry exactly: that is recorded in ``exact`` / ``inexact_reasons``)."""
@@ -239,22 +262,44 @@ def request_entry(req: Any, kv_tokens: int, runner: RunnerFacts = RunnerFacts())
     api = api_facts(sp)
     if api is not None:
         entry["api"] = api
-    if req.prompt_token_ids is None:
-        entry["inexact_reasons"] = ["prompt embeddings are not carried by the ledger"]
+    if why := uncarried_input(req):
+        entry[LEFT] = why  # not resubmitted: make_ledger files it apart, without its tokens
+        entry["inexact_reasons"] = [why]
     else:
         entry["inexact_reasons"] = inexact_reasons(entry, runner)
     entry["exact"] = not entry["inexact_reasons"]
     return entry
 
 
+#: the ledger's ``data`` key of the requests it cannot carry (:func:`uncarried_input`), each
+#: ``{"request_id", "client_request_id", "left_to_client": why, "api"?}``; apart from
+#: ``requests`` so that a reader older than it never resubmits one of them without its input
+LEFT = "left_to_client"
+
+
 def make_ledger(entries: list[dict[str, Any]], *, step: int, block_size: int) -> Ledger:
-    return Ledger.model_validate(
-        {"schema": SCHEMA, "version": VERSION, "data": {"step": step, "block_size": block_size, "requests": entries}}
-    )
+    """The ledger of a capture's entries (:func:`request_entry`)."""
+    carried = [e for e in entries if LEFT not in e]
+    data: dict[str, Any] = {"step": step, "block_size": block_size, "requests": carried}
+    if left := [e for e in entries if LEFT in e]:
+        keep = ("request_id", "client_request_id", LEFT, "api")
+        data[LEFT] = [{k: e[k] for k in keep if k in e} for e in left]
+    return Ledger.model_validate({"schema": SCHEMA, "version": VERSION, "data": data})
+
+
+def left_entries(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests the ledger could not carry, each with why (none in a ledger before them)."""
+    read(ledger)  # the schema and version checks
+    d = ledger.model_dump(by_alias=True) if isinstance(ledger, Ledger) else ledger
+    left = d.get("data", {}).get(LEFT) or []
+    if not isinstance(left, list) or not all(isinstance(e, dict) and e.get("client_request_id") for e in left):
+        raise FormatError(f"{SCHEMA}: data.{LEFT} is not a list of requests")
+    return left
 
 
 def read(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
-    """The entries of a ledger this code can read (version 1 or 2), or :class:`ckpt.FormatError`."""
+    """The carried entries of a ledger this code can read (:data:`READABLE`), or
+    :class:`ckpt.FormatError`."""
     d = ledger.model_dump(by_alias=True) if isinstance(ledger, Ledger) else ledger
     if d.get("schema") != SCHEMA or d.get("version") not in READABLE:
         raise FormatError(f"not a {SCHEMA} ledger of version {READABLE}: {d.get('schema')!r} v{d.get('version')!r}")
@@ -299,6 +344,21 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 exact=not reasons,
                 reasons=tuple(reasons),
                 api=e.get("api"),
+            )
+        )
+    for e in left_entries(ledger):
+        why = str(e[LEFT])[:200]
+        out.append(
+            Resubmission(
+                request_id=str(e["client_request_id"]),
+                token_ids=[],
+                num_prompt_tokens=0,
+                output_token_ids=[],
+                sampling={},
+                exact=False,
+                reasons=(f"left to its client: {why}",),
+                api=e.get("api") if isinstance(e.get("api"), dict) else None,
+                left_to_client=why,
             )
         )
     return out
@@ -366,5 +426,5 @@ def key_requests(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def count(ledger: Ledger | dict[str, Any]) -> int:
-    """Requests the ledger holds."""
-    return len(read(ledger))
+    """Requests the ledger holds, those left to their clients included."""
+    return len(read(ledger)) + len(left_entries(ledger))

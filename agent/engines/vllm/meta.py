@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from agent.engines.vllm.capture import CopyJob
 
-__all__ = ["IDLE", "GpuckptMeta", "GpuckptWorkerMeta", "tail_key"]
+__all__ = ["IDLE", "GpuckptMeta", "GpuckptWorkerMeta", "tail_identified", "tail_key"]
 
 
 def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...], cache_salt: str | None, lora: str | None) -> bytes:
@@ -31,6 +31,22 @@ def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...], cache_salt: str
     h.update(b"\x00" + (cache_salt or "").encode() + b"\x00" + (lora or "").encode() + b"\x00")
     h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens))
     return h.digest()
+
+
+def tail_identified(request: Any, start: int, end: int) -> bool:
+    """Whether tokens ``[start, end)`` of a vLLM ``Request`` are what their ids say, so that a tail
+    key (:func:`tail_key`: the parent's hash and the ids) names their KV. Not where a prompt
+    embedding or a multimodal item (an image's placeholder tokens) stands: those ids are the
+    same for every embedding or image, and vLLM's block hashes tell them apart by an extra key
+    (the item's identity) that a tail key does not have. Such a partial block is neither
+    captured nor offered; its tokens recompute."""
+    if getattr(request, "prompt_embeds", None) is not None and start < int(request.num_prompt_tokens):
+        return False
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        if int(pos.offset) < end and start < int(pos.offset) + int(pos.length):
+            return False
+    return True
 
 
 @dataclass

@@ -65,7 +65,7 @@ from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
 from agent.engines.vllm.groups import STATE, GroupRule, group_key, plan_hit
 from agent.engines.vllm.ledger import client_id
-from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta, tail_key
+from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta, tail_identified, tail_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -166,7 +166,7 @@ class SchedulerHalf(VllmService):
             n = int(request.num_computed_tokens)  # block_ids cover these tokens
             n_full = n // bs
             hashes = self.block_hashes(request.block_hashes)
-            if n % bs == 0 or n_full > len(hashes):
+            if n % bs == 0 or n_full > len(hashes) or not tail_identified(request, n_full * bs, n):
                 return False, None
             if any(n_full >= len(block_ids[g.index]) for g in self.carried):
                 return False, None
@@ -236,7 +236,7 @@ class SchedulerHalf(VllmService):
             lora = getattr(request.lora_request, "lora_name", None)
 
             def tail(i: int, length: int) -> bytes | None:
-                if i > len(hashes):
+                if i > len(hashes) or not tail_identified(request, i * bs, i * bs + length):
                     return None
                 parent = bytes(hashes[i - 1]) if i else b""
                 return tail_key(parent, tokens[i * bs : i * bs + length], request.cache_salt, lora)

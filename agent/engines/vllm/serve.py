@@ -361,15 +361,19 @@ class ServeClient:
         if not reqs:
             return {}
         token = self.token()
-        left: dict[str, Completion] = {}
+        # a request whose input the ledger does not carry is never resubmitted (it would run on
+        # another input); its client's retry sends the input again
+        left = {
+            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client) for r in reqs if r.left_to_client
+        }
         if token is not None:
             # a continuation its client cannot collect (the middleware serves such a retry as a new
             # request) would be computed twice: leave it to the retry
             for r in reqs:
-                if why := (r.api or {}).get("unattachable"):
+                if r.request_id not in left and (why := (r.api or {}).get("unattachable")):
                     left[r.request_id] = Completion(r.request_id, left_to_client=why)
             self.expect(reqs, token, left={rid: c.left_to_client or "" for rid, c in left.items()})
-            reqs = [r for r in reqs if r.request_id not in left]
+        reqs = [r for r in reqs if r.request_id not in left]
         if not reqs:
             return left
 
