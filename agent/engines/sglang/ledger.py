@@ -129,9 +129,11 @@ LEFT = "left_to_client"
 
 
 def uncarried_input(req: Any) -> str | None:
-    """Why the ledger cannot carry an SGLang ``Req``'s input (``None``: it can): its prompt came as
-    embeddings (SGLang then makes up its token ids), or it holds multimodal items (whose tokens
-    are pad values standing for each item). Resubmitting its ids would run another input."""
+    """Why the ledger cannot carry an SGLang ``Req``'s input (``None``: it can): it holds multimodal
+    items (whose tokens are pad values standing for each item), or its prompt came as embeddings
+    (SGLang then makes up its token ids; SGLang 0.5.23 refuses such a request unless the radix
+    cache is off, "input_embeds is provided while disable_radix_cache is False", so beside
+    gpuckpt's linker it does not arise). Resubmitting its ids would run another input."""
     if getattr(req, "input_embeds", None) is not None:
         return "its input embeddings are not carried by the ledger"
     if getattr(req, "multimodal_inputs", None) is not None:
