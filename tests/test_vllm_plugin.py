@@ -5,6 +5,7 @@ while every other connector keeps vLLM's check."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -58,3 +59,33 @@ def test_every_other_connector_is_still_checked_by_vllm(
     )
     with pytest.raises(Exception, match="incompatible with PYTORCH_CUDA_ALLOC_CONF=expandable_segments"):
         engine_config(model, other)
+
+
+def test_a_multimodal_worker_keeps_refusing_client_supplied_embeddings(tmp_path: Path) -> None:
+    """vLLM takes any ``kv_both`` connector for a disaggregated consumer and turns on
+    ``enable_mm_embeds`` (pre-computed embeddings from clients, "only for trusted users": a wrong
+    shape can crash the engine) and lets requests omit their embedding tensors. A worker that
+    loads gpuckpt keeps the user's setting and vLLM's check, as without gpuckpt."""
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    plugin.register()
+
+    def config(connector: str) -> SimpleNamespace:
+        mm = SimpleNamespace(enable_mm_embeds=False, allow_missing_mm_embeddings=None)
+        ktc = KVTransferConfig(
+            kv_connector=connector,
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+        )
+        return SimpleNamespace(
+            model_config=SimpleNamespace(multimodal_config=mm), kv_transfer_config=ktc, ec_transfer_config=None
+        )
+
+    other = config("ExampleConnector")
+    VllmConfig._resolve_mm_embedding_inputs(other)  # vLLM's rule, as every other connector gets it
+    assert other.model_config.multimodal_config.enable_mm_embeds is True
+    assert other.model_config.multimodal_config.allow_missing_mm_embeddings is True
+    ours = config(plugin.NAME)
+    VllmConfig._resolve_mm_embedding_inputs(ours)
+    assert ours.model_config.multimodal_config.enable_mm_embeds is False
+    assert ours.model_config.multimodal_config.allow_missing_mm_embeddings is False
