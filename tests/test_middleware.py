@@ -166,7 +166,8 @@ def test_the_agent_renews_the_retry_hold_while_it_restores_and_expect_ends_it() 
     """A restore longer than the worker's first hold (a large checkpoint from a bucket): the
     agent's renewals keep a retry waiting past the first hold's end, so it cannot start a
     duplicate of the continuation about to be resubmitted; the agent's ``expect`` lets it go,
-    and after that a renewal holds nothing. Only the agent (the token) renews."""
+    and after that a renewal holds nothing. Only the agent (the token) renews, and only a hold in
+    force."""
     from agent.engines.vllm.middleware import EXPECT_PATH, MAX_HOLD_S
 
     async def scenario() -> None:
@@ -202,5 +203,13 @@ def test_the_agent_renews_the_retry_hold_while_it_restores_and_expect_ends_it() 
         assert (await _post(mw, EXPECT_PATH, {"hold_s": 30.0}, agent))["body"]["held_s"] == 0.0
         done = await asyncio.wait_for(_post(mw, "/v1/chat/completions", {"messages": []}, {"X-Request-Id": "r10"}), 60)
         assert done["status"] == 200
+        # a server started with no hold (no restore was to follow) never starts holding on a renewal
+        fresh = GpuckptMiddleware(None)
+        fresh.app = app
+        await _post(fresh, "/v1/completions", {"prompt": [1]}, {})
+        assert fresh._server is not None
+        fresh._server.token = "t0k"
+        assert (await _post(fresh, EXPECT_PATH, {"hold_s": 30.0}, agent))["body"]["held_s"] == 0.0
+        assert fresh._server.hold_until == 0.0
 
     asyncio.run(scenario())

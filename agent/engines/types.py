@@ -266,6 +266,22 @@ class Resubmission:
     #: images; why). Its client's retry sends the whole input again and is served as new.
     left_to_client: str | None = None
 
+    @classmethod
+    def left(cls, request_id: str, why: str, api: dict[str, Any] | None = None) -> Resubmission:
+        """A request of the checkpoint that is not resubmitted: its input is not in the ledger (why)."""
+        why = why[:200]
+        return cls(
+            request_id=request_id,
+            token_ids=[],
+            num_prompt_tokens=0,
+            output_token_ids=[],
+            sampling={},
+            exact=False,
+            reasons=(f"left to its client: {why}",),
+            api=api,
+            left_to_client=why,
+        )
+
 
 def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:
     """A token sequence's identity (SHA-256): what a restored request's state is matched on besides

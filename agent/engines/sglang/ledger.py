@@ -217,20 +217,7 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 reasons=reasons,
             )
         )
-    for e in left_entries(ledger):
-        why = str(e[LEFT])[:200]
-        out.append(
-            Resubmission(
-                request_id=e["rid"],
-                token_ids=[],
-                num_prompt_tokens=0,
-                output_token_ids=[],
-                sampling={},
-                exact=False,
-                reasons=(f"left to its client: {why}",),
-                left_to_client=why,
-            )
-        )
+    out += [Resubmission.left(e["rid"], str(e[LEFT])) for e in left_entries(ledger)]
     return out
 
 

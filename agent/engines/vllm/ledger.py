@@ -347,20 +347,8 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
             )
         )
     for e in left_entries(ledger):
-        why = str(e[LEFT])[:200]
-        out.append(
-            Resubmission(
-                request_id=str(e["client_request_id"]),
-                token_ids=[],
-                num_prompt_tokens=0,
-                output_token_ids=[],
-                sampling={},
-                exact=False,
-                reasons=(f"left to its client: {why}",),
-                api=e.get("api") if isinstance(e.get("api"), dict) else None,
-                left_to_client=why,
-            )
-        )
+        api = e.get("api")
+        out.append(Resubmission.left(str(e["client_request_id"]), str(e[LEFT]), api if isinstance(api, dict) else None))
     return out
 
 

@@ -554,11 +554,13 @@ def _renew_hold(server: _Server, hold_s: float) -> float:
     """The agent's restore is still under way: hold possible retries ``hold_s`` seconds more from
     now (at most :data:`MAX_HOLD_S`; a renewal never shortens the hold). The agent renews while it
     restores, so the hold outlasts a restore of any length, and lapses soon after an agent that
-    died. Once the agent has said what it resubmits (or that it resubmits nothing), nothing holds
-    again. Returns the seconds the hold has left."""
-    if server.released.is_set():
-        return 0.0
+    died. Only a hold in force is renewed: a server started without one (no restore was to
+    follow its start) or whose hold ran out never starts holding its clients' requests here,
+    and once the agent has said what it resubmits (or that it resubmits nothing), nothing holds
+    again. Returns the seconds the hold has left (0: none)."""
     now = time.monotonic()
+    if server.released.is_set() or server.hold_until <= now:
+        return 0.0
     if hold_s > 0:  # false for NaN too
         server.hold_until = max(server.hold_until, now + min(hold_s, MAX_HOLD_S))
     return max(0.0, server.hold_until - now)
