@@ -62,25 +62,15 @@ def test_the_book_drops_finished_continuations_by_age_and_bytes_never_running_on
     assert book.counts["dropped_ttl"] == 1
 
 
-def _run_app(mw: GpuckptMiddleware, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, dict, dict]:
-    seen: dict[str, Any] = {}
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        msg = await receive()
-        seen["body"] = json.loads(msg["body"])
-        seen["length"] = dict(scope["headers"])[b"content-length"]
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    mw.app = app
-    state = SimpleNamespace(_state={}, engine_client=None, vllm_config=None)
+async def _post(mw: GpuckptMiddleware, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    """One POST through the middleware to an app that answers ``{}`` (the engine's handler)."""
     raw = json.dumps(body).encode()
     scope = {
         "type": "http",
         "method": "POST",
-        "path": "/v1/chat/completions",
+        "path": path,
         "headers": [(k.lower().encode(), v.encode()) for k, v in {**headers, "content-length": str(len(raw))}.items()],
-        "app": SimpleNamespace(state=state),
+        "app": SimpleNamespace(state=SimpleNamespace(_state={}, engine_client=None, vllm_config=None)),
     }
     got: dict[str, Any] = {"headers": {}}
 
@@ -94,7 +84,23 @@ def _run_app(mw: GpuckptMiddleware, body: dict[str, Any], headers: dict[str, str
         else:
             got["body"] = json.loads(msg["body"])
 
-    asyncio.run(mw(scope, receive, send))
+    await mw(scope, receive, send)
+    return got
+
+
+def _run_app(mw: GpuckptMiddleware, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, dict, dict]:
+    """A chat request through the middleware to an app that records what reaches it."""
+    seen: dict[str, Any] = {}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        msg = await receive()
+        seen["body"] = json.loads(msg["body"])
+        seen["length"] = dict(scope["headers"])[b"content-length"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    mw.app = app
+    got = asyncio.run(_post(mw, "/v1/chat/completions", body, headers))
     return got["status"], got, seen
 
 
@@ -135,31 +141,6 @@ def test_the_token_file_is_written_for_the_agent_only(tmp_path: Path) -> None:
     p = token_path(sock)
     assert p.read_text() == token
     assert p.stat().st_mode & 0o077 == 0
-
-
-async def _post(mw: GpuckptMiddleware, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    """One POST through the middleware to an app that answers ``{}`` (the engine's handler)."""
-    raw = json.dumps(body).encode()
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "headers": [(k.lower().encode(), v.encode()) for k, v in {**headers, "content-length": str(len(raw))}.items()],
-        "app": SimpleNamespace(state=SimpleNamespace(_state={}, engine_client=None, vllm_config=None)),
-    }
-    got: dict[str, Any] = {"headers": {}}
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(msg: dict[str, Any]) -> None:
-        if msg["type"] == "http.response.start":
-            got["status"] = msg["status"]
-        else:
-            got["body"] = json.loads(msg["body"])
-
-    await mw(scope, receive, send)
-    return got
 
 
 def test_the_agent_renews_the_retry_hold_while_it_restores_and_expect_ends_it() -> None:

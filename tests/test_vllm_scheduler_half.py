@@ -15,6 +15,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +53,20 @@ def page_of(h: VllmHalves, block: int) -> bytes:
     return b"".join(h.caches[name][block].numpy().tobytes() for name in LAYERS)
 
 
+def captured_full_blocks(h: VllmHalves, cap: Any, req: Any) -> int:
+    """Check that the capture's pages of ``req``'s two full blocks, under vLLM's block hashes, are
+    the request's own blocks; cancel the capture; return how many pages it held."""
+    pf = staging.PageFile(str(cap.get("index")), mapped=False)
+    try:
+        blocks = h.block_ids(req.request_id)
+        for i, bh in enumerate(req.block_hashes[:2]):
+            assert bytes(pf.page(bytes(bh))) == page_of(h, blocks[i]), f"block {i} is the request's own"
+        return len(pf.index.keys)
+    finally:
+        pf.close()
+        h.channel.cancel(cap.seq)
+
+
 def test_the_ranks_report_through_the_step_metadata_not_a_file(halves: VllmHalves) -> None:
     layout = halves.channel.describe().layout
     assert [r["rank"] for r in layout["ranks"]] == [0]
@@ -71,13 +86,7 @@ def test_a_capture_copies_a_live_requests_own_blocks_and_names_it_in_the_ledger(
     [entry] = ledger["data"]["requests"]
     assert entry["request_id"] == "r1"
     assert entry["prompt_token_ids"] == prompt
-    pf = staging.PageFile(str(cap.get("index")), mapped=False)
-    blocks = halves.block_ids("r1")
-    for i, h in enumerate(req.block_hashes[:2]):
-        assert bytes(pf.page(bytes(h))) == page_of(halves, blocks[i]), f"block {i} is the request's own"
-    assert len(pf.index.keys) == 3, "two full blocks and the partial tail"
-    pf.close()
-    halves.channel.cancel(cap.seq)
+    assert captured_full_blocks(halves, cap, req) == 3, "two full blocks and the partial tail"
 
 
 def test_a_request_whose_input_the_ledger_cannot_carry_is_left_to_its_client(halves: VllmHalves) -> None:
@@ -99,13 +108,7 @@ def test_a_request_whose_input_the_ledger_cannot_carry_is_left_to_its_client(hal
         }
     ]
     assert cap.get("left_requests") == 1
-    pf = staging.PageFile(str(cap.get("index")), mapped=False)
-    blocks = halves.block_ids("e1")
-    for i, h in enumerate(req.block_hashes[:2]):
-        assert bytes(pf.page(bytes(h))) == page_of(halves, blocks[i]), f"block {i} is the request's own"
-    assert len(pf.index.keys) == 2, "the full blocks only: no tail keyed by placeholder ids"
-    pf.close()
-    halves.channel.cancel(cap.seq)
+    assert captured_full_blocks(halves, cap, req) == 2, "the full blocks only: no tail keyed by placeholder ids"
 
 
 def test_keys_are_vllms_block_hashes(halves: VllmHalves) -> None:
