@@ -282,7 +282,7 @@ def restore_cmd(
                     table.add_row(x.rule, str(x.verdict), show(x.recorded), show(x.current))
                 console().print(table)
                 verdict = "warm: load the checkpoint's blocks" if decision.warm else "cold: replay the ledger"
-                typer.echo(safe(f"plan: {verdict}; {decision.requests} requests to resubmit, {decision.blocks} blocks"))
+                typer.echo(safe(f"plan: {verdict}; {decision.requests} requests in flight, {decision.blocks} blocks"))
                 for line in decision.reasons:
                     typer.echo(safe(f"  {line}"))
             if not decision.warm:
@@ -318,13 +318,18 @@ def restore_cmd(
     typer.echo(safe(f"restore of {m.id}: {'warm' if plan.warm else 'cold (ledger replay)'}"))
     for line in plan.reasons:
         typer.echo(safe(f"  {line}"))
+    left = plan.left_to_client()
     if outputs:
         for rid, o in outputs.items():
+            if rid in left:
+                continue
             typer.echo(
                 safe(f"  {rid}: {len(o['new_token_ids'])} new tokens, {o['cached_tokens']} prompt tokens from cache")
             )
-    elif plan.requests:
-        typer.echo(f"  {len(plan.requests)} requests to resubmit (pass --worker-url to resubmit them)")
+    elif plan.to_resubmit():
+        typer.echo(f"  {len(plan.to_resubmit())} requests to resubmit (pass --worker-url to resubmit them)")
+    for rid, why in left.items():
+        typer.echo(safe(f"  {rid}: not resubmitted: {why} (its client's retry computes it)"))
 
 
 # -- launch ----------------------------------------------------------------------------------

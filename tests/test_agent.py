@@ -671,6 +671,7 @@ def test_the_restore_keeps_renewing_the_workers_retry_hold_until_it_is_planned(
     client.wait_calls(4)  # a restore several leases long; the first renewal failed and was retried
     hold.stop()
     assert hold._thread is not None
+    hold._thread.join(60)
     assert not hold._thread.is_alive(), "nothing renews after stop"
     assert set(client.calls) == {ras.HOLD_LEASE_S}
     # a worker that holds nothing (released, no middleware): one try, then no thread

@@ -166,16 +166,18 @@ def test_the_agent_renews_the_retry_hold_while_it_restores_and_expect_ends_it() 
         server.token = "t0k"
         agent = {TOKEN_HEADER: "t0k"}
         loop = asyncio.get_running_loop()
-        server.hold_until = time.monotonic() + 0.2  # the first hold, about to run out
+        first = time.monotonic() + 2.0  # the first hold, which the restore outlasts
+        server.hold_until = first
         retry = loop.create_task(_post(mw, "/v1/chat/completions", {"messages": []}, {"X-Request-Id": "r9"}))
-        await asyncio.sleep(0)  # the retry is held
+        for _ in range(50):  # the retry reaches its wait (a few steps of the loop; no clock involved)
+            await asyncio.sleep(0)
         assert (await _post(mw, EXPECT_PATH, {"hold_s": 5.0}, {}))["status"] == 403
         got = await _post(mw, EXPECT_PATH, {"hold_s": 1e9}, agent)
         assert got["status"] == 200
         assert 0 < got["body"]["held_s"] <= MAX_HOLD_S, "one renewal reaches MAX_HOLD_S at most"
         # a renewal never shortens the hold
         assert (await _post(mw, EXPECT_PATH, {"hold_s": 1.0}, agent))["body"]["held_s"] > 1.0
-        await asyncio.sleep(0.5)  # well past the first hold's end (timers fire in order)
+        await asyncio.sleep(max(0.0, first - time.monotonic()) + 0.3)  # past the first hold's end
         assert not retry.done(), "the renewed hold keeps the retry waiting for the agent's word"
         got = await _post(mw, EXPECT_PATH, {"requests": []}, agent)  # nothing resubmitted: released
         assert got["body"] == {"expected": 0}

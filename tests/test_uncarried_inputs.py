@@ -144,3 +144,30 @@ def test_no_client_resubmits_a_request_left_to_its_client() -> None:
         out = s.submit([LEFT])
     assert out["cmpl-e-0"].left_to_client == LEFT.left_to_client
     assert sent == [], "nothing reached a worker"
+
+
+def test_a_ledger_from_before_left_to_client_never_resubmits_a_prompt_given_as_embeddings() -> None:
+    """An older gpuckpt kept such a request among the requests, without prompt tokens (and
+    resubmitted it as its outputs alone): read now, it is left to its client."""
+    from agent.engines.types import RestorePlan
+
+    old = vllm_ledger.request_entry(request(list(range(40))), 32)
+    gone = {**old, "client_request_id": "cmpl-e-0", "prompt_token_ids": [], "exact": False}
+    gone["inexact_reasons"] = ["prompt embeddings are not carried by the ledger"]
+    doc = {"schema": vllm_ledger.SCHEMA, "version": 3, "data": {"step": 1, "block_size": 32, "requests": [old, gone]}}
+    assert [e["client_request_id"] for e in vllm_ledger.read(doc)] == ["chatcmpl-r"]
+    subs = vllm_ledger.resubmissions(doc)
+    assert [(s.request_id, s.left_to_client) for s in subs] == [
+        ("chatcmpl-r", None),
+        ("cmpl-e-0", "its prompt embeddings are not carried by the ledger"),
+    ]
+    assert vllm_ledger.request_states(doc, warm=True) == ({}, {})
+    assert vllm_ledger.count(doc) == 2
+    plan = RestorePlan(True, [], subs)
+    assert plan.inexact() == {}, "a request left to its client is not replayed cold"
+    assert plan.left_to_client() == {"cmpl-e-0": "its prompt embeddings are not carried by the ledger"}
+    assert [r.request_id for r in plan.to_resubmit()] == ["chatcmpl-r"]
+    # a left entry must say why
+    bad = {**doc, "data": {**doc["data"], "left_to_client": [{"client_request_id": "x"}]}}
+    with pytest.raises(FormatError, match="each with why"):
+        vllm_ledger.left_entries(bad)

@@ -334,6 +334,7 @@ class RestoreAtStart:
             planned=True,
             requests=tuple(r.request_id for r in plan.requests),
             inexact=plan.inexact(),
+            left_to_client=plan.left_to_client(),
             blocks_offered=plan.blocks_offered,
             plan_s=round(time.monotonic() - t0, 3),
             canary=plan.stats.get("canary"),
@@ -348,6 +349,8 @@ class RestoreAtStart:
             self._parts = (plan.rest is not None) + resubmitting + 1  # + this thread's own part
         for rid, why in report.inexact.items():
             log.warning("request replayed cold", extra={"request": rid, "reasons": why})
+        for rid, left in report.left_to_client.items():
+            log.warning("request not resubmitted: its client's retry computes it", extra={"request": rid, "why": left})
         if plan.rest is not None:
             report = self._update(rest={"state": "streaming"})
             threading.Thread(target=self._await_rest, args=(plan,), name="gpuckpt-restore-rest", daemon=True).start()
@@ -411,6 +414,7 @@ class RestoreAtStart:
 #: renews it: a hold lapses at most ``HOLD_LEASE_S`` after an agent that died mid-restore
 HOLD_LEASE_S = 30.0
 HOLD_RENEW_S = 10.0
+HOLD_JOIN_S = 6.0
 
 
 class _RetryHold:
@@ -446,7 +450,8 @@ class _RetryHold:
         """No more renewals (before the client is used to say what is resubmitted, or closed)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=HOLD_RENEW_S)
+            # a renewal under way takes its client's short timeout at most (ServeClient.hold_retries)
+            self._thread.join(timeout=HOLD_JOIN_S)
 
 
 def _release_retries(client: ServingClient) -> None:

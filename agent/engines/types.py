@@ -269,7 +269,7 @@ class Resubmission:
     @classmethod
     def left(cls, request_id: str, why: str, api: dict[str, Any] | None = None) -> Resubmission:
         """A request of the checkpoint that is not resubmitted: its input is not in the ledger (why)."""
-        why = why[:200]
+        why = why[:200] or "its input is not carried by the ledger"
         return cls(
             request_id=request_id,
             token_ids=[],
@@ -336,8 +336,17 @@ class RestorePlan:
         return self.blocks_offered + (int(self.rest.offered) if self.rest is not None else 0)
 
     def inexact(self) -> dict[str, list[str]]:
-        """Why each request that is not continued exactly is replayed cold, by request id."""
-        return {r.request_id: list(r.reasons) for r in self.requests if not r.exact}
+        """Why each request that is not continued exactly is replayed cold, by request id (those
+        left to their clients are not replayed at all: :meth:`left_to_client`)."""
+        return {r.request_id: list(r.reasons) for r in self.requests if not r.exact and r.left_to_client is None}
+
+    def left_to_client(self) -> dict[str, str]:
+        """The checkpoint's requests that are not resubmitted (their input is not in the ledger), and why."""
+        return {r.request_id: r.left_to_client for r in self.requests if r.left_to_client is not None}
+
+    def to_resubmit(self) -> list[Resubmission]:
+        """The requests a resubmission sends."""
+        return [r for r in self.requests if r.left_to_client is None]
 
 
 class ServingClient(Protocol):

@@ -155,8 +155,10 @@ def left_entries(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
     read(ledger)  # the schema and version checks
     d = ledger.model_dump(by_alias=True) if isinstance(ledger, Ledger) else ledger
     left = d["data"].get(LEFT) or []
-    if not isinstance(left, list) or not all(isinstance(e, dict) and isinstance(e.get("rid"), str) for e in left):
-        raise FormatError(f"{SCHEMA}: data.{LEFT} is not a list of requests")
+    if not isinstance(left, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("rid"), str) and isinstance(e.get(LEFT), str) for e in left
+    ):
+        raise FormatError(f"{SCHEMA}: data.{LEFT} is not a list of requests, each with why")
     return left
 
 

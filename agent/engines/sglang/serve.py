@@ -217,9 +217,11 @@ class SglangClient:
         # another input); its client's retry sends the input again
         given = list(requests)
         left = {
-            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client) for r in given if r.left_to_client
+            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client)
+            for r in given
+            if r.left_to_client is not None
         }
-        reqs = [r for r in given if not r.left_to_client]
+        reqs = [r for r in given if r.left_to_client is None]
         if not reqs:
             return left
         with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:

@@ -287,26 +287,42 @@ def make_ledger(entries: list[dict[str, Any]], *, step: int, block_size: int) ->
     return Ledger.model_validate({"schema": SCHEMA, "version": VERSION, "data": data})
 
 
-def left_entries(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
-    """The requests the ledger could not carry, each with why (none in a ledger before them)."""
-    read(ledger)  # the schema and version checks
+def _split(ledger: Ledger | dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The carried entries and those left to their clients, or :class:`ckpt.FormatError`."""
     d = ledger.model_dump(by_alias=True) if isinstance(ledger, Ledger) else ledger
-    left = d.get("data", {}).get(LEFT) or []
-    if not isinstance(left, list) or not all(isinstance(e, dict) and e.get("client_request_id") for e in left):
-        raise FormatError(f"{SCHEMA}: data.{LEFT} is not a list of requests")
-    return left
+    if d.get("schema") != SCHEMA or d.get("version") not in READABLE:
+        raise FormatError(f"not a {SCHEMA} ledger of version {READABLE}: {d.get('schema')!r} v{d.get('version')!r}")
+    data = d.get("data", {})
+    entries = data.get("requests")
+    if not isinstance(entries, list):
+        raise FormatError(f"{SCHEMA}: data.requests is not a list")
+    left = data.get(LEFT) or []
+    if not isinstance(left, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("client_request_id"), str) and isinstance(e.get(LEFT), str)
+        for e in left
+    ):
+        raise FormatError(f"{SCHEMA}: data.{LEFT} is not a list of requests, each with why")
+    # a ledger written before LEFT kept a prompt given as embeddings among the requests, with no
+    # prompt tokens: it is left to its client too, never resubmitted as its outputs alone (an
+    # image request of such a ledger cannot be told apart: its placeholders are tokens there)
+    old = [e for e in entries if isinstance(e, dict) and e.get("prompt_token_ids") == []]
+    if old:
+        why = "its prompt embeddings are not carried by the ledger"
+        keep = ("request_id", "client_request_id", "api")
+        left = [*left, *({**{k: e[k] for k in keep if k in e}, LEFT: why} for e in old)]
+        entries = [e for e in entries if not (isinstance(e, dict) and e.get("prompt_token_ids") == [])]
+    return entries, left
+
+
+def left_entries(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests the ledger could not carry, each with why (:data:`LEFT`)."""
+    return _split(ledger)[1]
 
 
 def read(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
     """The carried entries of a ledger this code can read (:data:`READABLE`), or
     :class:`ckpt.FormatError`."""
-    d = ledger.model_dump(by_alias=True) if isinstance(ledger, Ledger) else ledger
-    if d.get("schema") != SCHEMA or d.get("version") not in READABLE:
-        raise FormatError(f"not a {SCHEMA} ledger of version {READABLE}: {d.get('schema')!r} v{d.get('version')!r}")
-    entries = d.get("data", {}).get("requests")
-    if not isinstance(entries, list):
-        raise FormatError(f"{SCHEMA}: data.requests is not a list")
-    return entries
+    return _split(ledger)[0]
 
 
 def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:

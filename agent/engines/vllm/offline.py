@@ -15,7 +15,7 @@ from agent.engines.types import Resubmission
 def submit(llm: Any, requests: list[Resubmission]) -> None:
     """Add resubmissions to an offline ``vllm.LLM`` under their original request ids."""
     for r in requests:
-        if r.left_to_client:  # its input is not in the ledger: never run on another one
+        if r.left_to_client is not None:  # its input is not in the ledger: never run on another one
             continue
         prompt = TokensPrompt(prompt_token_ids=list(r.token_ids))
         if r.cache_salt is not None:

@@ -331,7 +331,7 @@ class ServeClient:
         if token is not None:
             self.expect([], token)
 
-    def hold_retries(self, seconds: float) -> float:
+    def hold_retries(self, seconds: float, *, timeout: float = 5.0) -> float:
         """The restore is still under way: the worker's middleware holds possible retries
         ``seconds`` more (a lease the agent renews while it restores; nothing holds once
         :meth:`expect` or :meth:`release` was sent). Returns the seconds the hold has left; 0
@@ -339,7 +339,8 @@ class ServeClient:
         token = self.token()
         if token is None:
             return 0.0
-        r = self._http.post(EXPECT_PATH, json={"hold_s": seconds}, headers={TOKEN_HEADER: token})
+        # its own short timeout: a renewal stuck on a loaded server must not outlive the lease
+        r = self._http.post(EXPECT_PATH, json={"hold_s": seconds}, headers={TOKEN_HEADER: token}, timeout=timeout)
         check_response(r)
         return float(r.json().get("held_s", 0.0))
 
@@ -364,7 +365,9 @@ class ServeClient:
         # a request whose input the ledger does not carry is never resubmitted (it would run on
         # another input); its client's retry sends the input again
         left = {
-            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client) for r in reqs if r.left_to_client
+            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client)
+            for r in reqs
+            if r.left_to_client is not None
         }
         if token is not None:
             # a continuation its client cannot collect (the middleware serves such a retry as a new
