@@ -319,7 +319,8 @@ def restore(
             not_offered,
             go,
             each=each and holds,
-            resubmitted=len(requests),
+            # the rest waits for these to start: not for those left to their clients, never sent
+            resubmitted=sum(1 for r in requests if r.left_to_client is None),
         )
     count()
     if not probing:
