@@ -3,13 +3,15 @@ sees it, and the error a worker's API answers with."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import httpx
 
 from ckpt.errors import EngineRefused
 
-__all__ = ["Completion", "ServeError", "check_response"]
+__all__ = ["Completion", "ServeError", "check_response", "split_left"]
 
 
 class ServeError(EngineRefused):
@@ -29,6 +31,30 @@ class Completion:
     total_s: float = 0.0
     #: not resubmitted, and why: its client's retry is served as a new request (computed once, there)
     left_to_client: str | None = None
+
+
+class _Leavable(Protocol):
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def left_to_client(self) -> str | None: ...
+
+
+_R = TypeVar("_R", bound=_Leavable)
+
+
+def split_left(requests: Iterable[_R]) -> tuple[dict[str, Completion], list[_R]]:
+    """Resubmissions (:class:`agent.engines.types.Resubmission`) split into those left to their
+    clients (their input is not in the ledger: never sent, each a completion saying why) and
+    those to send."""
+    left: dict[str, Completion] = {}
+    send: list[_R] = []
+    for r in requests:
+        if r.left_to_client is not None:
+            left[r.request_id] = Completion(r.request_id, left_to_client=r.left_to_client)
+        else:
+            send.append(r)
+    return left, send
 
 
 def check_response(r: httpx.Response) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from agent.engines.serving import Completion, ServeError, check_response
+from agent.engines.serving import Completion, ServeError, check_response, split_left
 from agent.engines.sglang.ledger import SAMPLING_FIELDS
 from agent.engines.types import Resubmission
 
@@ -215,13 +215,7 @@ class SglangClient:
         only (a request's whole output is ``r.output_token_ids + result[r.request_id].token_ids``)."""
         # a request whose input the ledger does not carry is never resubmitted (it would run on
         # another input); its client's retry sends the input again
-        given = list(requests)
-        left = {
-            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client)
-            for r in given
-            if r.left_to_client is not None
-        }
-        reqs = [r for r in given if r.left_to_client is None]
+        left, reqs = split_left(requests)
         if not reqs:
             return left
         with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:

@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from agent import fs
-from agent.engines.serving import Completion, ServeError, check_response
+from agent.engines.serving import Completion, ServeError, check_response, split_left
 from agent.engines.types import Resubmission
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
 from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
@@ -364,11 +364,7 @@ class ServeClient:
         token = self.token()
         # a request whose input the ledger does not carry is never resubmitted (it would run on
         # another input); its client's retry sends the input again
-        left = {
-            r.request_id: Completion(r.request_id, left_to_client=r.left_to_client)
-            for r in reqs
-            if r.left_to_client is not None
-        }
+        left, _ = split_left(reqs)
         if token is not None:
             # a continuation its client cannot collect (the middleware serves such a retry as a new
             # request) would be computed twice: leave it to the retry
