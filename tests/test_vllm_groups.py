@@ -24,6 +24,7 @@ from agent.engines.vllm.groups import (
     group_key,
     kv_groups,
     not_carried,
+    page_heads,
     plan_hit,
     signature,
 )
@@ -120,11 +121,25 @@ def test_a_state_space_group_at_tensor_parallel_size_2_is_carried_and_names_its_
     )
 
 
+def test_a_state_space_group_above_the_model_s_kv_heads_is_carried_one_slot_per_rank() -> None:
+    """Qwen3-Next (2 KV heads) at TP 4: ranks hold replicas of each attention head but different
+    state, so a stored page has one head slot per rank (every rank's bytes kept), pinned to that
+    size like any state group. Without a state group replicas stay stored once, by heads."""
+    cfg = config(full(), mamba())
+    groups = kv_groups(cfg, BS, tp=4, kv_heads=2)
+    assert carried(groups) == groups
+    assert signature(groups) == "g0=full/2;g1=mamba@tp4/2"
+    assert page_heads(cfg, 4, 2) == 4
+    assert page_heads(cfg, 2, 2) == 2  # each rank holds heads of its own: the model's heads
+    assert page_heads(cfg, 1, 2) == 2
+    assert page_heads(config(full(), sliding()), 4, 2) == 2  # attention only: replicas stored once
+    assert page_heads(config(mamba()), 2, 1) == 2
+
+
 @pytest.mark.parametrize(
     ("spec", "tp", "layers", "why"),
     [
         (lambda: mamba("none"), 1, 2, "mamba_cache_mode='none' keeps no state a later request can hit"),
-        (mamba, 4, 2, "at tensor parallel size 4 the model's 2 KV heads are replicated between ranks"),
         (lambda: mamba(padded=4096), 1, 2, "bytes) differs from another group's"),
         (mamba, 1, 3, "its layers fill 3 physical slots and attention layers only 2"),
     ],

@@ -114,6 +114,35 @@ def test_join_then_split_gives_every_rank_its_own_heads_back(tp: int, total: int
     assert [bytes(j) for j in joined] == [p.tobytes() for p in full]
 
 
+def test_one_slot_per_rank_keeps_every_rank_s_bytes_where_replicas_differ() -> None:
+    """TP 4 over 2 KV heads, each rank's page different (a state block shares the page): joined by
+    heads, ranks 1 and 3 would be lost (replicas contribute once); joined by rank slots every
+    rank's bytes are kept, and slot ``r`` is rank ``r``'s page."""
+    rng = np.random.default_rng(7)
+    tp, layers, bs, c = 4, 2, 4, 6
+    pages = [[rng.standard_normal((layers, 1, bs, c)).astype(np.float32) for _ in range(3)] for _ in range(tp)]
+    slots = [shards.rank_slot(r, tp, 1) for r in range(tp)]
+    assert slots[3] == shards.Heads(3, 1, 4)
+    recs = [{"rank": r, "kv_heads": [h.start, h.count]} for r, h in enumerate(slots)]
+    shards.check_cover(recs, tp, tp)  # what a plan checks of such a manifest (page_heads = tp)
+
+    def per_rank() -> list:
+        return [iter([memoryview(p.view(np.uint8).reshape(-1)) for p in pages[r]]) for r in range(tp)]
+
+    joined = list(shards.join(per_rank(), recs, dtype="float32", shard_shape=(layers, 1, bs, c), head_axis=0, total=tp))
+    for b, j in enumerate(joined):
+        stored = np.frombuffer(bytes(j), np.float32).reshape(layers, tp, bs, c)
+        for r in range(tp):
+            assert stored[:, r : r + 1].tobytes() == pages[r][b].tobytes()
+    by_heads = [{"rank": r, "kv_heads": [shards.local_heads(r, tp, 2, 1).start, 1]} for r in range(tp)]
+    lossy = list(
+        shards.join(per_rank(), by_heads, dtype="float32", shard_shape=(layers, 1, bs, c), head_axis=0, total=2)
+    )
+    assert pages[1][0].tobytes() not in bytes(lossy[0])
+    with pytest.raises(shards.ShardError, match="expected 1 \\(replicas\\)"):
+        shards.rank_slot(0, 2, 2)
+
+
 def test_join_refuses_a_rank_with_fewer_pages() -> None:
     page = memoryview(np.zeros((1, 1, 2, 2), np.float32).view(np.uint8).reshape(-1))
     recs = [{"rank": 0, "kv_heads": [0, 1]}, {"rank": 1, "kv_heads": [1, 1]}]

@@ -62,6 +62,18 @@ def local_heads(rank: int, tp: int, total: int, count: int) -> Heads:
     return Heads(rank * total // tp, count, total)
 
 
+def rank_slot(rank: int, tp: int, count: int) -> Heads:
+    """The head slot of ``rank`` where a stored page holds one slot per rank rather than the
+    model's heads (a worker whose pages carry per-rank state while its ranks replicate attention
+    heads, see :func:`agent.engines.vllm.groups.page_heads`): slot ``rank`` of ``tp``, which gives
+    each rank its own bytes back at the writer's TP size only (a pin keeps it there)."""
+    if not 0 <= rank < tp:
+        raise ShardError(f"rank {rank} outside a tensor-parallel group of {tp}")
+    if count != 1:
+        raise ShardError(f"rank {rank} of {tp}: KV tensors hold {count} heads, expected 1 (replicas)")
+    return Heads(rank, 1, tp)
+
+
 def full_shape(shard_shape: Sequence[int], head_axis: int, total: int) -> tuple[int, ...]:
     """The shape of a stored page (``[layers, *layer_page]``) for a rank's page shape."""
     s = list(shard_shape)

@@ -48,7 +48,8 @@ def _shard_reasons(m: Manifest) -> list[str]:
     if recs is None:  # written before tensor parallelism was carried: one rank, whole pages
         return []
     try:
-        total = int(layout["num_kv_heads"])
+        # a stored page's head slots: the model's heads, or one per rank (vllm.groups.page_heads)
+        total = int(layout.get("page_heads", layout["num_kv_heads"]))
         tp = int(layout.get("tensor_parallel_size", len(recs)))
         shards.check_cover(recs, total, tp)
         head_axis = int(layout.get("head_axis", 0))

@@ -104,23 +104,27 @@ def write_tiny_sliding(path: Path, *, kind: str, window: int = 64, seed: int = 0
     return path
 
 
-def write_tiny_qwen3_next(path: Path, *, seed: int = 0, chat: bool = False, kv_heads: int = 2) -> Path:
+def write_tiny_qwen3_next(
+    path: Path, *, seed: int = 0, chat: bool = False, kv_heads: int = 2, layer_types: list[str] | None = None
+) -> Path:
     """A tiny random-weight Qwen3-Next (Gated DeltaNet linear attention interleaved with full
     attention, a small MoE), bfloat16 — vLLM's CPU build runs its GDN layers only in bf16. Under
     vLLM's hybrid KV cache manager its linear-attention layers are a state-space (``MambaSpec``)
     group, which gpuckpt carries at tensor parallel size 1 in ``mamba_cache_mode='align'``.
     ``chat``: with a tokenizer and a chat template (:func:`write_tokenizer`); ``kv_heads``: its
-    full-attention layers' KV heads."""
+    full-attention layers' KV heads; ``layer_types``: its layers (``linear_attention`` /
+    ``full_attention``; two of each, alternating, by default)."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
     bos, eos = write_tokenizer(path, chat=True) if chat else (1, 2)
+    layers = layer_types or ["linear_attention", "full_attention"] * 2
     cfg = Qwen3NextConfig(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
+        num_hidden_layers=len(layers),
         num_attention_heads=4,
         num_key_value_heads=kv_heads,
         head_dim=64,
@@ -135,7 +139,7 @@ def write_tiny_qwen3_next(path: Path, *, seed: int = 0, chat: bool = False, kv_h
         shared_expert_intermediate_size=128,
         decoder_sparse_step=1,
         full_attention_interval=2,
-        layer_types=["linear_attention", "full_attention"] * 2,
+        layer_types=layers,
         bos_token_id=bos,
         eos_token_id=eos,
         torch_dtype="bfloat16",

@@ -12,9 +12,13 @@ the KV capacity of a worker without gpuckpt; its
 state blocks are carried — the running state of each request in flight, the states at block
 boundaries vLLM keeps — and it restores warm and token-exact. At tensor parallel size 2 it
 restores warm and token-exact onto the same size, and cold onto another, naming the state
-group. With a single KV head at that size (its ranks hold replicas of the head and different
-state), gpuckpt does not carry the state group: the worker starts all the same, its checkpoint
-holds the ledger and no pages, and its restore is cold with the group named.
+group; with a single KV head at that size (its ranks hold replicas of the head and different
+state: the stored pages keep one slot per rank) it restores warm and token-exact too.
+
+A Qwen3-Next whose four linear-attention layers and three full-attention layers vLLM pads into
+groups of four (a state layer in a physical slot no attention layer shares: a group gpuckpt cannot
+carry) starts all the same, its checkpoint holds the ledger and no pages, and its restore is cold
+with the group named.
 """
 
 from __future__ import annotations
@@ -52,13 +56,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         # raised in its model runner's own bookkeeping): greedy requests only
         "seeded": False,
     }
-    every = (*KINDS, "qwen3next")
+    # 4 linear + 3 full layers: vLLM groups them by 4 (3 < 4 · 1.5), the attention group padded, so
+    # physical slot 3 holds a state layer alone — pages are read through attention layers' views
+    base["uncarried"] = {
+        **base["qwen3next"],
+        "model": str(
+            write_tiny_qwen3_next(
+                tmp / "model-uncarried", layer_types=["linear_attention", "full_attention"] * 3 + ["linear_attention"]
+            )
+        ),
+        "repo": str(tmp / "repo-uncarried"),
+    }
+    every = (*KINDS, "qwen3next", "uncarried")
     a = run_workers({k: {**base[k], **at(k, "a"), "mode": "checkpoint"} for k in every}, tmp, kill_after_result=True)
     jobs = {
         f"{k}-b": {**base[k], **at(k, "b"), "mode": "restore", "checkpoint": a[k]["checkpoint"], "turn1": a[k]["turn1"]}
         for k in every
     }
-    jobs |= {f"{k}-plain": {**base[k], **at(k, "plain"), "mode": "capacity", "connector": False} for k in every}
+    jobs |= {
+        f"{k}-plain": {**base[k], **at(k, "plain"), "mode": "capacity", "connector": False}
+        for k in every
+        if k != "uncarried"
+    }
     # every load of the restore fails (two KV cache groups: vLLM takes no failed block ids from such
     # a worker, only failed requests)
     jobs["gemma3-fail"] = {
@@ -69,7 +88,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     done = run_workers(jobs, tmp)
     runs = {k: {"a": a[k], "b": done[f"{k}-b"], "plain": done[f"{k}-plain"]} for k in KINDS}
     runs["gemma3"]["fail"] = done["gemma3-fail"]
-    return runs | {"qwen3next": {"a": a["qwen3next"], "b": done["qwen3next-b"], "plain": done["qwen3next-plain"]}}
+    runs["qwen3next"] = {"a": a["qwen3next"], "b": done["qwen3next-b"], "plain": done["qwen3next-plain"]}
+    return runs | {"uncarried": {"a": a["uncarried"], "b": done["uncarried-b"]}}
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "qwen3next"])
@@ -163,7 +183,7 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     share of the state heads): checkpointed mid-decode and restored at the same size (each worker
     alone on the CPUs), and the same checkpoint restored onto one rank. Beside it, a Qwen3-Next
     with a single KV head at the same size — its ranks hold replicas of that head and different
-    state, which gpuckpt does not carry — checkpointed and restored onto one rank."""
+    state — checkpointed and restored at the same size."""
     tmp = tmp_path_factory.mktemp("vllm-hybrid-tp2")
     base = {
         "model": str(write_tiny_qwen3_next(tmp / "model")),
@@ -183,14 +203,11 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     a = run_worker({**base, **at["a"], "mode": "checkpoint"}, tmp, kill_after_result=True)
     d = run_worker({**one, **at["d"], "mode": "checkpoint"}, tmp, kill_after_result=True)
     b = run_worker({**base, **at["b"], "mode": "restore", "checkpoint": a["checkpoint"], "turn1": a["turn1"]}, tmp)
-    later = run_workers(
-        {
-            "c": {**base, **at["c"], "tp": 1, "mode": "restore", "checkpoint": a["checkpoint"], "turn1": a["turn1"]},
-            "e": {**one, **at["e"], "tp": 1, "mode": "restore", "checkpoint": d["checkpoint"], "turn1": d["turn1"]},
-        },
-        tmp,
+    e = run_worker({**one, **at["e"], "mode": "restore", "checkpoint": d["checkpoint"], "turn1": d["turn1"]}, tmp)
+    c = run_worker(
+        {**base, **at["c"], "tp": 1, "mode": "restore", "checkpoint": a["checkpoint"], "turn1": a["turn1"]}, tmp
     )
-    return {"a": a, "b": b, "c": later["c"], "uncarried": d, "uncarried-restored": later["e"]}
+    return {"a": a, "b": b, "c": c, "replicas": d, "replicas-restored": e}
 
 
 def test_a_state_space_model_at_tensor_parallel_size_2_restores_warm_onto_the_same_size(tp2: dict) -> None:
@@ -218,14 +235,30 @@ def test_onto_another_tensor_parallel_size_its_restore_is_cold_naming_the_state_
     assert set(c["restored"]) == set(a["reference"])  # resubmitted, recomputed (by another TP size)
 
 
-def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_group(tp2: dict) -> None:
-    a, b = tp2["uncarried"], tp2["uncarried-restored"]
+def test_above_the_model_s_kv_heads_the_state_is_carried_one_slot_per_rank(tp2: dict) -> None:
+    """One KV head at TP 2 (Qwen3-Next's 2 at TP 4 or 8 alike): both ranks hold that head, each its
+    own state; the stored pages keep a slot per rank, and the restore at the same size is warm and
+    token-exact — each rank got its own state back."""
+    a, b = tp2["replicas"], tp2["replicas-restored"]
     assert not a["kv"]["hybrid_manager_off"], "a hybrid SSM model needs the hybrid KV cache manager"
-    assert a["kv_groups"] == "g0=MambaSpec/2;g1=full/2"
+    assert a["kv_groups"] == "g0=mamba@tp2/2;g1=full/2"
+    assert a["checkpoint_stats"]["pages"] > 0
+    assert b["warm"], b["reasons"]
+    assert set(b["restored"]) == set(a["reference"])
+    loaded = b["connector_after_restore"]["restored_tokens"]
+    for rid, r in b["restored"].items():
+        assert r["full"] == a["reference"][rid], rid
+        assert loaded[rid] == r["prompt_len"] - 1, (rid, loaded[rid], r)
+
+
+def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_group(runs: dict) -> None:
+    a, b = runs["uncarried"]["a"], runs["uncarried"]["b"]
+    assert not a["kv"]["hybrid_manager_off"], "a hybrid SSM model needs the hybrid KV cache manager"
+    assert a["kv_groups"] == "g0=mamba/4;g1=full/3"
     assert a["checkpoint_stats"]["pages"] == 0
     assert len(a["ledger_outputs"]) == 3  # the ledger is carried: the requests come back
     assert not b["warm"]
-    named = [r for r in b["reasons"] if r.startswith("KV not carried (checkpoint): KV cache group 0 (MambaSpec")]
+    named = [r for r in b["reasons"] if r.startswith("KV not carried (checkpoint): KV cache group 0 (mamba, 4 layers)")]
     assert named, b["reasons"]
-    assert "the model's 1 KV heads are replicated between ranks" in named[0], named
+    assert "its layers fill 4 physical slots and attention layers only 3" in named[0], named
     assert set(b["restored"]) == set(a["reference"])  # resubmitted, recomputed

@@ -18,7 +18,7 @@ import vllm
 from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
-from agent.engines.vllm.groups import LEGACY_SIGNATURE, not_carried, signature, worker_groups
+from agent.engines.vllm.groups import LEGACY_SIGNATURE, not_carried, page_heads, signature, worker_groups
 from ckpt import ABSENT, fingerprint
 from ckpt.pins import GPU_FACTS
 
@@ -115,6 +115,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         isa=isa,
     )
     total_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+    head_slots = page_heads(kv_cache_config, tp, total_heads)
     model_digest = tokenizer_digest = None
     if os.path.isdir(mc.model):
         model_digest = fingerprint.model_digest(mc.model)
@@ -156,6 +157,8 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "block_size": cc.block_size,
         "kernel_block_size": kernel_block,
         "num_kv_heads": total_heads,
+        # a stored page's head slots where they are not the model's heads: one per rank
+        **({"page_heads": head_slots} if head_slots != total_heads else {}),
         "head_size": spec.head_size,
         "dtype": kv_dtype,
         "layers": sorted(group.layer_names),

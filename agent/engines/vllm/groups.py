@@ -30,15 +30,18 @@ At tensor parallel size ``tp > 1`` a state block on each rank holds that
 rank's share of the model's own state heads, which do not follow the
 attention heads the stored pages are split by. Pages are still joined and
 split along the attention view's head axis, which gives each rank back its own
-bytes exactly when it restores onto the same ``tp`` and every rank holds
-attention heads of its own (no replicas): so a state group at ``tp > 1`` is
-recorded with its size (``mamba@tp2``), and a checkpoint with one restores
-warm onto the same tensor parallel size only — elsewhere the pins differ, by
-name, and the ledger replays cold.
+bytes exactly when it restores onto the same ``tp``: so a state group at
+``tp > 1`` is recorded with its size (``mamba@tp2``), and a checkpoint with
+one restores warm onto the same tensor parallel size only — elsewhere the pins
+differ, by name, and the ledger replays cold. Where ``tp`` is above the
+model's KV heads, ranks hold replicas of an attention head but different
+state, and a stored page keyed by heads would keep one replica's bytes: such a
+worker's stored page has one head slot per rank instead (:func:`page_heads`,
+recorded as the layout's ``page_heads``), every rank's bytes kept — Qwen3-Next
+(2 KV heads) at TP 4 or 8.
 
 A group gpuckpt cannot carry (state in ``mamba_cache_mode='none'``, which
-keeps none for a later hit, or at a ``tp`` above the model's KV heads;
-cross-attention;
+keeps none for a later hit; cross-attention;
 a group whose block size, page size or page layout differs from the others';
 layers of mixed page sizes in one group) is *named*: the worker starts with
 the allocator on as always, no page is captured or loaded (a request needs
@@ -148,15 +151,9 @@ def _kind(spec: Any, tp: int, kv_heads: int | None) -> tuple[str, int | None, st
             return name, None, f"{name}: {why}"
         if int(getattr(spec, "num_speculative_blocks", 0) or 0):
             return name, None, f"{name}: state blocks of speculative decoding are not carried"
-        if tp > 1 and (kv_heads is None or kv_heads < tp):
-            # ranks holding replicas of one attention head hold different state: the stored page
-            # keeps one replica's bytes
-            held = (
-                "the model's KV heads are not known"
-                if kv_heads is None
-                else f"the model's {kv_heads} KV heads are replicated between ranks, whose states differ"
-            )
-            why = f"at tensor parallel size {tp} {held} (state is carried where each rank holds KV heads of its own)"
+        if tp > 1 and kv_heads is None:
+            # which head slots a stored page has (page_heads) depends on them
+            why = f"at tensor parallel size {tp} the model's KV heads are not known"
             return name, None, f"{name}: {why}"
         return STATE, None, None
     if "Mamba" in name:
@@ -215,6 +212,19 @@ def kv_groups(kv_cache_config: Any, block_size: int, *, tp: int = 1, kv_heads: i
             )
             out = [_refused(g, why) if g.carried and g.kind == STATE else g for g in out]
     return out
+
+
+def page_heads(kv_cache_config: Any, tp: int, kv_heads: int) -> int:
+    """The head slots of a stored page: the model's ``kv_heads`` (each rank's heads at their place,
+    replicas once: :mod:`agent.engines.shards`), or ``tp`` — one slot per rank — where a state
+    group runs at a tensor parallel size above them: its ranks replicate attention heads but hold
+    different state, which one replica's slot would lose. Every group's pages then cost ``tp /
+    kv_heads`` times as much, and restore onto the same ``tp`` only (the ``kv_groups`` pin names
+    it). Both halves and ``describe`` decide by this rule alone, from facts the pins compare."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    state = any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups)
+    return tp if state and tp > max(1, kv_heads) else kv_heads
 
 
 def worker_groups(vllm_config: Any, kv_cache_config: Any) -> list[KvGroup]:

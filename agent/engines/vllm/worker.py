@@ -28,7 +28,9 @@ Tensor parallelism: rank ``r`` of ``tp`` holds heads
 ``[r·H//tp, r·H//tp + max(1, H//tp))`` of the model's ``H`` (MLA's single
 latent head is replicated); it copies its own shard into its own page file
 (``<name>-r<rank>``) and loads its own heads out of TP-independent pages
-(:mod:`agent.engines.shards`), whatever TP size wrote them.
+(:mod:`agent.engines.shards`), whatever TP size wrote them — except where a
+state group runs at TP above the model's KV heads: there a stored page has
+one slot per rank (:func:`.groups.page_heads`), for the same TP size only.
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ from vllm.distributed import get_tensor_model_parallel_rank
 
 from agent.engines import staging
 from agent.engines.service import InjectedFault
-from agent.engines.shards import Heads, full_shape, local_heads
+from agent.engines.shards import Heads, full_shape, local_heads, rank_slot
 from agent.engines.vllm.capture import CopyJob
 from agent.engines.vllm.commands import staging_of
 from agent.engines.vllm.copier import Gathered, PageCopier
 from agent.engines.vllm.describe import attention_backend_name, kv_scales
+from agent.engines.vllm.groups import page_heads
 from agent.engines.vllm.meta import GpuckptMeta, GpuckptWorkerMeta
 from ckpt.errors import EngineError
 
@@ -154,7 +157,12 @@ class WorkerHalf:
             log.warning("gpuckpt: no KV layer this connector can page; checkpoints carry the ledger only")
             self.kv = [(PAGELESS, torch.zeros((1, max(1, total // self.tp), 1, 1), dtype=torch.uint8))]
         self.copier = PageCopier([t for _, t in self.kv])
-        self.heads = local_heads(self.rank, self.tp, total, int(self.kv[0][1].shape[1 + self.head_axis]))
+        held = int(self.kv[0][1].shape[1 + self.head_axis])
+        if page_heads(self.kv_cache_config, self.tp, total) != total:
+            # state at TP above the model's KV heads: one slot per rank (see .groups.page_heads)
+            self.heads = rank_slot(self.rank, self.tp, held)
+        else:
+            self.heads = local_heads(self.rank, self.tp, total, held)
         # The model runner (for seeded requests' generators and the sampler's
         # view of outputs) called us from initialize_kv_cache.
         f = sys._getframe(1)
