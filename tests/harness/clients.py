@@ -1,15 +1,15 @@
-"""What a client of ``vllm serve`` gets, as it gets it: one OpenAI-API call (chat or completions,
-streamed or not) read into its choices' text, token ids and finish reasons; the engine's own
+"""What a client of ``vllm serve`` gets, as it gets it: one call of the ``openai`` client (chat or
+completions, streamed or not) read into its choices' text, token ids and finish reasons; the engine's own
 count of generated tokens; clients' calls run in threads, and a checkpoint taken while they run."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+from openai import OpenAI, omit
 
 from agent.engines.vllm.middleware import ATTACH_HEADER
 
@@ -17,37 +17,40 @@ __all__ = ["Calls", "call", "checkpoint_during", "generated"]
 
 
 def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1") -> dict[str, Any]:
-    """One API call as a client makes it: the choices' text and token ids, finish reasons, headers."""
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    headers = {"X-Request-Id": rid, "Authorization": f"Bearer {key}"}
-    body = {"model": "m", **body}
+    """One API call as a client makes it, with the ``openai`` client: chat or completions, streamed
+    or not as ``body`` says; vLLM's own fields (``return_token_ids``, ``ignore_eos``,
+    ``structured_outputs``, ``prompt_embeds``, …) go in ``extra_body``, as vLLM's docs tell its
+    users. Returns the choices' text and token ids, finish reasons, and gpuckpt's attach header."""
+    client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
+    rest = dict(body)
+    stream = bool(rest.pop("stream", False))
+    kw: dict[str, Any] = {"model": "m", "extra_headers": {"X-Request-Id": rid}, "extra_body": rest}
+    if endpoint == "chat":
+        create = client.chat.completions.with_raw_response.create
+        kw["messages"] = rest.pop("messages")
+    else:
+        create = client.completions.with_raw_response.create  # type: ignore[assignment]
+        kw["prompt"] = rest.pop("prompt", omit)  # omitted: a prompt given as embeddings (extra_body)
     out: dict[str, Any] = {"choices": {}}
 
-    def take(i: int, text: str | None, ids: list[int] | None, finish: str | None) -> None:
-        c = out["choices"].setdefault(i, {"text": "", "ids": [], "finish": None})
+    def take(ch: Any, text: str | None) -> None:
+        c = out["choices"].setdefault(ch.index, {"text": "", "ids": [], "finish": None})
         c["text"] += text or ""
-        c["ids"] += ids or []
-        c["finish"] = finish or c["finish"]
+        c["ids"] += getattr(ch, "token_ids", None) or []  # vLLM's field, beside the API's
+        c["finish"] = ch.finish_reason or c["finish"]
 
-    with httpx.Client(timeout=600) as h:
-        if body.get("stream"):
-            with h.stream("POST", f"{url}{path}", json=body, headers=headers) as r:
-                assert r.status_code == 200, r.read()
-                out["attach"] = r.headers.get(ATTACH_HEADER)
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    for ch in ev.get("choices") or ():
-                        text = (ch.get("delta") or {}).get("content") if endpoint == "chat" else ch.get("text")
-                        take(ch["index"], text, ch.get("token_ids"), ch.get("finish_reason"))
-        else:
-            r = h.post(f"{url}{path}", json=body, headers=headers)
-            assert r.status_code == 200, r.text
-            out["attach"] = r.headers.get(ATTACH_HEADER)
-            for ch in r.json()["choices"]:
-                text = ch["message"]["content"] if endpoint == "chat" else ch["text"]
-                take(ch["index"], text, ch.get("token_ids"), ch.get("finish_reason"))
+    with client:
+        raw = create(stream=stream, **kw)
+        out["attach"] = raw.headers.get(ATTACH_HEADER)
+        got: Any = raw.parse()  # a stream of chunks, or the completion
+        for event in got if stream else [got]:
+            for ch in event.choices:
+                if endpoint != "chat":
+                    take(ch, ch.text)
+                elif stream:
+                    take(ch, ch.delta.content)
+                else:
+                    take(ch, ch.message.content)
     return out
 
 
