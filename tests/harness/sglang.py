@@ -53,8 +53,11 @@ class Servers:
     """SGLang servers with the linker, their sockets, logs and staging under ``base``;
     :meth:`close` kills every one still running."""
 
-    def __init__(self, python: str, model: Path, base: Path) -> None:
+    def __init__(self, python: str, model: Path, base: Path, *, tokenizer: bool = False) -> None:
+        """``tokenizer``: the servers load the model's tokenizer (text, chat) — a server as users
+        run it — instead of taking token ids alone (``--skip-tokenizer-init``)."""
         self.python, self.model, self.base = python, model, base
+        self.args = tuple(a for a in BASE_ARGS if not (tokenizer and a == "--skip-tokenizer-init"))
         self.procs: list[SglangProcess] = []
 
     def start(
@@ -62,7 +65,7 @@ class Servers:
     ) -> SglangProcess:
         """A server named ``name``, ready (API and control socket); ``linker`` adds to the linker's
         extra config (``copy_bytes_per_step`` and the like), ``args`` to the server's flags."""
-        extra = [*BASE_ARGS, "--page-size", str(page_size), *args]
+        extra = [*self.args, "--page-size", str(page_size), *args]
         if linker:
             staging_dir = str(self.base / f"{name}-staging")
             cfg = linker_config(str(self.base / f"{name}.sock"), staging_dir)
