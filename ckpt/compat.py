@@ -190,13 +190,17 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
     "kv_layout": "Shape and order of the KV cache tensors.",
     "block_size": "Tokens per KV block.",
     "kv_dtype": "Element type of the KV cache.",
-    "num_kv_heads": "KV heads of the model in all: a stored page holds every one of them.",
+    "num_kv_heads": (
+        "KV heads of the model in all: a stored page holds every one of them (or one slot per rank, "
+        "layout.page_heads, where a state group runs at TP above them)."
+    ),
     "head_size": "Elements per head and token: the bytes of one head's slice of a page.",
     "model_runner": "Model runner: what a request's carried sampler state means.",
     "tensor_parallel_size": (
         "Tensor-parallel size. Recorded, not compared: stored pages hold every KV head, "
         "and each rank of the restoring worker loads its own (resharding). A state-space group's "
-        "pages do not reshard: kv_groups names its size."
+        "pages do not reshard: kv_groups names its size (and page_heads, one slot per rank, "
+        "is compared with the worker's)."
     ),
     "pipeline_parallel_size": "Pipeline-parallel size: each stage holds a slice of the layers.",
     "rank": "The rank that described the worker. Recorded, not compared (see tensor_parallel_size).",

@@ -291,3 +291,33 @@ def test_a_worker_with_no_layer_it_can_page_starts_and_its_captures_carry_the_le
     (rec,) = wm.done[job.job].values()
     assert "error" not in rec, rec
     assert rec["pages_written"] == 0
+
+
+def test_pages_whose_head_slots_map_to_ranks_otherwise_are_refused_by_name(model: Path, tmp_path: Path) -> None:
+    """A stored page's head slots are the model's KV heads, or one per rank (``page_heads``: a state
+    group at TP above the KV heads). The pins cannot tell a checkpoint of one kind from the other
+    (an MLA + linear-attention worker at TP > 1, checkpointed before ``page_heads`` existed, has
+    today's pins and pages holding rank 0's state alone): the layouts are compared, by name."""
+    w = fp8_worker(model, 1.0)
+    slotted = WorkerDescription(w.facts, {**w.layout, "page_heads": 2}, w.namespace_fields)
+    repo = Repository.open(str(tmp_path / "repo"), create=True)
+    page = Block(key=b"k" * 32, data=b"\x01" * 64, dtype="uint8", shape=(64,))
+    saved = {
+        name: repo.save(
+            [page],
+            worker_id=name,
+            namespace=d.in_domain("fleet"),
+            pins=Pins(host=host_pins(d), worker=d.facts),
+            layout=dict(d.layout),
+        )
+        for name, d in (("heads", w), ("slots", slotted))
+    }
+    assert restore_decision(saved["slots"], slotted, trust_domain="fleet").warm
+    old = restore_decision(saved["heads"], slotted, trust_domain="fleet")
+    assert old.reasons == [
+        "page heads: the checkpoint's pages hold head slots one per KV head of the model; this worker's 2, one per rank"
+    ]
+    new = restore_decision(saved["slots"], w, trust_domain="fleet")
+    assert new.reasons == [
+        "page heads: the checkpoint's pages hold head slots 2, one per rank; this worker's one per KV head of the model"
+    ]

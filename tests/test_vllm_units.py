@@ -11,7 +11,7 @@ import pytest
 
 from agent.engines import shards
 from agent.engines.base import token_digest
-from agent.engines.vllm.ledger import RunnerFacts, inexact_reasons, make_ledger, resubmissions
+from agent.engines.vllm.ledger import RunnerFacts, inexact_reasons, make_ledger, resubmissions, speculative_method
 
 
 def entry(**kw: Any) -> dict[str, Any]:
@@ -44,6 +44,27 @@ def test_penalties_are_exact_on_the_v1_runner_and_reported_elsewhere() -> None:
     assert "frequency_penalty, presence_penalty" in why
     assert "v2" in why
     assert "async" in inexact_reasons(e, RunnerFacts("v1", True))[0]
+
+
+def test_seeded_sampling_under_speculative_decoding_is_reported_and_greedy_stays_exact() -> None:
+    """Rejection sampling draws per draft token, and a restored request's drafts differ (its first
+    step drafts nothing): a seeded request's continuation is another sample. Greedy requests,
+    even with a seed, and unseeded ones promise no particular sample."""
+    from types import SimpleNamespace
+
+    from vllm.config import SpeculativeConfig
+
+    spec = speculative_method(
+        SimpleNamespace(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    )
+    assert spec == "ngram"
+    assert speculative_method(SimpleNamespace(speculative_config=None)) is None
+    seeded = entry(sampling={"temperature": 1.0, "seed": 1234})
+    (why,) = inexact_reasons(seeded, RunnerFacts(speculative=spec))
+    assert why.startswith("seeded sampling with speculative decoding (ngram)")
+    assert inexact_reasons(seeded, RunnerFacts()) == []
+    assert inexact_reasons(entry(sampling={"temperature": 0.0, "seed": 1234}), RunnerFacts(speculative=spec)) == []
+    assert inexact_reasons(entry(sampling={"temperature": 0.8}), RunnerFacts(speculative=spec)) == []
 
 
 def test_an_unknown_grammar_backend_is_reported_and_parallel_choices_are_exact() -> None:
@@ -210,3 +231,23 @@ def test_a_corrupt_generator_state_replays_that_request_cold_and_nothing_else() 
     assert reqs["plain"].exact
     _, cold = _request_states(m, warm=False)  # type: ignore[arg-type]
     assert "warm restore only" in cold["seeded"][0]
+
+
+def test_the_restoring_worker_s_word_makes_a_seeded_request_inexact() -> None:
+    """A checkpoint of a worker without speculative decoding judged a seeded request exact; the
+    worker it is restored onto runs speculative decoding and says why it cannot be (its
+    ``states_inexact``): the restore reports the request as not exact, with that reason."""
+    from agent.engines.channel import WorkerChannel
+    from agent.session.resubmit import unapplied_states
+
+    why = "on this worker: seeded sampling with speculative decoding (ngram): …"
+
+    class Said(WorkerChannel):
+        def stats(self) -> dict:  # type: ignore[override]
+            return {
+                "states_waiting": [],
+                "states_applied": {"cmpl-a-0": ["generator_state"]},
+                "states_inexact": {"cmpl-a-0": [why]},
+            }
+
+    assert unapplied_states(Said("/nonexistent")) == {"cmpl-a-0": [why]}

@@ -12,7 +12,9 @@ gpuckpt reads (the CPU backend and vLLM 0.33's logical
 ``[blocks, head slots, tokens, content]`` views), so joining shards and
 splitting pages are plain copies along that axis. A stored page therefore
 restores into a worker of any TP size with the same total heads, head size,
-dtype and per-head page format.
+dtype and per-head page format. (One exception: where a state group runs at
+TP above the model's KV heads, a stored page has one slot per rank instead,
+:func:`rank_slot`, and restores onto the same TP size only.)
 """
 
 from __future__ import annotations

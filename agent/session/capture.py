@@ -124,7 +124,8 @@ def capture(
     A tensor-parallel worker answers with one page file per rank and chunk;
     their pages are joined here into stored pages holding every KV head
     (:mod:`agent.engines.shards`), so a checkpoint restores into any TP
-    size. A chunk whose ranks' parts do not cover every head is refused
+    size (a worker whose pages hold one slot per rank, ``page_heads``, into
+    its own TP size only). A chunk whose ranks' parts do not cover every head is refused
     (:class:`~agent.engines.shards.ShardError`, naming the rank). ``close``
     deletes every page file and cancels a stream not read to its end. With
     ``when`` (``{"live": n, "min_outputs": k}``) the capture is taken at the

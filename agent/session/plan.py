@@ -60,6 +60,23 @@ def _shard_reasons(m: Manifest) -> list[str]:
     return []
 
 
+def _head_slot_reasons(theirs: Any, ours: Any) -> list[str]:
+    """Why the checkpoint's stored pages map head slots to ranks otherwise than this worker's (the
+    model's KV heads, or one slot per rank: ``layout.page_heads``, vllm.groups.page_heads). The
+    pins alone do not tell them apart: a checkpoint written before page_heads existed of an MLA +
+    linear-attention worker at TP > 1 has the pins of today's, and pages that hold rank 0's state
+    alone."""
+    a = theirs.get("page_heads") if isinstance(theirs, Mapping) else None
+    b = ours.get("page_heads") if isinstance(ours, Mapping) else None
+    if a == b:
+        return []
+
+    def slots(v: Any) -> str:
+        return "one per KV head of the model" if v is None else f"{v}, one per rank"
+
+    return [f"page heads: the checkpoint's pages hold head slots {slots(a)}; this worker's {slots(b)}"]
+
+
 def restore_decision(
     m: Manifest, desc: WorkerDescription, policy: Policy | None = None, trust_domain: str | None = None
 ) -> Decision:
@@ -80,6 +97,7 @@ def restore_decision(
     if trust_domain is not None and theirs is not None and theirs != trust_domain:
         reasons.append(f"trust domain: checkpoint {theirs!r} != this worker's {trust_domain!r}")
     reasons += _shard_reasons(m)
+    reasons += _head_slot_reasons(m.layout, desc.layout)
     # a KV cache group gpuckpt cannot carry (an SSM's state, say): the checkpoint has no pages,
     # or this worker could not load them — either way its requests replay cold, and say why
     for side, layout in (("checkpoint", m.layout), ("worker", desc.layout)):

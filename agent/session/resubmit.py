@@ -100,8 +100,10 @@ class Resubmitted:
 
 
 def unapplied_states(worker: WorkerLike) -> dict[str, list[str]]:
-    """The worker's word on carried states no request claimed (by ledger id), and states it failed
-    to apply; empty when the worker cannot say (it may be gone: nothing to add, and that is logged)."""
+    """The worker's word on carried states no request claimed (by ledger id), states it failed to
+    apply, and states it applied that cannot make their request exact there (a seeded request on a
+    worker with speculative decoding); empty when the worker cannot say (it may be gone: nothing
+    to add, and that is logged)."""
     try:
         st = channel_of(worker).stats()
     except Exception as exc:
@@ -115,6 +117,8 @@ def unapplied_states(worker: WorkerLike) -> dict[str, list[str]]:
         for a in applied:
             if "failed" in str(a):
                 out.setdefault(cid, []).append(f"{a}: replayed cold")
+    for cid, whys in (st.get("states_inexact") or {}).items():
+        out.setdefault(cid, []).extend(str(w) for w in whys)
     return out
 
 

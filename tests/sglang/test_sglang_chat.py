@@ -121,8 +121,9 @@ def run(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     b = _start(servers, "b")
     plan = session.restore(repo, taken.manifest.id, b.control_socket, generate=b.client.generate, wait=True)
     resumed = b.client.submit(plan.requests)  # the agent's path
-    retries = {name: ask(b.url, name) for name in CALLS}  # each client, again
+    # read before the retries, which reuse the ids: what the resubmissions loaded
     restored_tokens = session.stats(b.control_socket)["restored_tokens"]
+    retries = {name: ask(b.url, name) for name in CALLS}  # each client, again
     # the same engine's uninterrupted run of each restored request's prompt, from an empty cache
     httpx.post(b.url + "/flush_cache", timeout=30).raise_for_status()
     uninterrupted = {
@@ -166,5 +167,6 @@ def test_each_client_s_retry_gets_the_uninterrupted_answer_from_a_warm_prefix(ru
         assert got["text"] == ref["text"], name
         assert got["completion_tokens"] == ref["completion_tokens"] == N, name
         assert got["prompt_tokens"] == ref["prompt_tokens"], name
-        # the prompt's whole pages came from the restored cache (the resubmission hit them too)
+        # the prompt's whole pages are cached: restored (test above: the resubmission loaded
+        # them), and kept by the resubmission
         assert got["cached"] >= ref["prompt_tokens"] - PAGE, (name, got, ref)

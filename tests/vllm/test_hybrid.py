@@ -56,7 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         # raised in its model runner's own bookkeeping): greedy requests only
         "seeded": False,
     }
-    # 4 linear + 3 full layers: vLLM groups them by 4 (3 < 4 · 1.5), the attention group padded, so
+    # 4 linear + 3 full layers: vLLM groups them by 4 (4 < 3 · 1.5), the attention group padded, so
     # physical slot 3 holds a state layer alone — pages are read through attention layers' views
     base["uncarried"] = {
         **base["qwen3next"],
@@ -243,6 +243,10 @@ def test_above_the_model_s_kv_heads_the_state_is_carried_one_slot_per_rank(tp2: 
     assert not a["kv"]["hybrid_manager_off"], "a hybrid SSM model needs the hybrid KV cache manager"
     assert a["kv_groups"] == "g0=mamba@tp2/2;g1=full/2"
     assert a["checkpoint_stats"]["pages"] > 0
+    assert a["page_heads"] == 2
+    assert a["shards"] == [[0, 1], [1, 1]]  # slot r is rank r's (by heads both would be head 0)
+    assert tp2["a"]["page_heads"] is None  # 2 KV heads at TP 2: each rank's own, by heads
+    assert tp2["a"]["shards"] == [[0, 1], [1, 1]]
     assert b["warm"], b["reasons"]
     assert set(b["restored"]) == set(a["reference"])
     loaded = b["connector_after_restore"]["restored_tokens"]

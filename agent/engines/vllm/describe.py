@@ -114,7 +114,8 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         kernel_block_size=kernel_block or cc.block_size,
         isa=isa,
     )
-    total_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+    # (an attention-free model, pure Mamba, reports 0 KV heads: the pin takes 1, its pages hold none)
+    total_heads = 1 if getattr(mc, "use_mla", False) else max(1, int(mc.get_total_num_kv_heads()))
     head_slots = page_heads(kv_cache_config, tp, total_heads)
     model_digest = tokenizer_digest = None
     if os.path.isdir(mc.model):
@@ -171,7 +172,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "ranks": reports,
         "page": (
             "one block id across all layer slots (a slot: one layer of each KV cache group), "
-            "layer-major, each layer's page whole with all KV heads"
+            "layer-major, each layer's page whole with all KV heads (or one slot per rank: page_heads)"
         ),
     }
     ns = {
@@ -249,7 +250,9 @@ def _values(t: Any) -> list[float]:
 
 
 def kv_scales_digest(reports: list[dict[str, Any]], tp: int, kv_dtype: str) -> str | None:
-    """The worker's KV scales as one namespace value, the same at every TP size; ``None`` for the
+    """The worker's KV scales as one namespace value, the same at every TP size (except where pages
+    hold one slot per rank, ``page_heads``: there ``kv_heads`` are slots, and the value is that TP
+    size's, pinned to it anyway); ``None`` for the
     default (no rank quantizes, or every layer has the worker's KV dtype and scales of 1.0: what
     every checkpoint before this fact had — their namespace is unchanged); ``"unknown"`` until
     every rank has reported.

@@ -172,6 +172,8 @@ class RunnerFacts:
 
     model_runner: str = "v1"  # "v1": a torch.Generator per seeded request; "v2": stateless sampling
     async_scheduling: bool = False
+    speculative: str | None = None
+    """The speculative decoding method (``ngram``, ``eagle3``, ``mtp``, …), ``None`` without it."""
 
 
 def _plain(v: Any) -> Any:
@@ -216,7 +218,33 @@ def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
     if sampling.get("seed") is not None and runner.model_runner == "v1" and runner.async_scheduling:
         # the generator is read a sample ahead of the outputs the ledger knows
         reasons.append("seeded sampling on model runner v1 with async scheduling: the sampler state runs ahead")
+    if runner.speculative and seeded_sampling(sampling):
+        reasons.append(speculative_reason(runner.speculative))
     return reasons
+
+
+def speculative_method(vllm_config: Any) -> str | None:
+    """The worker's speculative decoding method, ``None`` without speculative decoding."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is None:
+        return None
+    return str(getattr(sc, "method", None) or "speculative")
+
+
+def seeded_sampling(sampling: dict[str, Any]) -> bool:
+    """Whether a request samples with a seed (greedy ignores its seed)."""
+    return sampling.get("seed") is not None and float(sampling.get("temperature", 1.0) or 0.0) > 0.0
+
+
+def speculative_reason(method: str) -> str:
+    """Why a seeded request does not continue exactly under speculative decoding."""
+    # Rejection sampling draws random numbers per draft token, and which tokens are drafted when
+    # depends on the batch and on where the request (re)started: a restored request's first step
+    # has no drafts. Its continuation is a sample of the same distribution, not the same sample.
+    return (
+        f"seeded sampling with speculative decoding ({method}): the sampler draws per draft token, "
+        "and a restored request's drafts differ, so its continuation is another sample"
+    )
 
 
 def uncarried_input(req: Any) -> str | None:

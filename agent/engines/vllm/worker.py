@@ -148,7 +148,8 @@ class WorkerHalf:
         except Exception:  # no distributed state: a single in-process worker
             self.rank = 0
         mc = self.vllm_config.model_config
-        total = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
+        # an attention-free model (pure Mamba) reports 0 KV heads: its pages hold none (pageless)
+        total = 1 if getattr(mc, "use_mla", False) else max(1, int(mc.get_total_num_kv_heads()))
         if not self.kv:
             # No group this connector pages (DeepSeek V3.2's latent + indexer in one group of two
             # page sizes, an SSM-only model): the scheduler half plans no page (see .groups), and
@@ -217,7 +218,8 @@ class WorkerHalf:
         return (len(self.kv), *self.kv[0][1].shape[1:])
 
     def stored_shape(self) -> tuple[int, ...]:
-        """A stored page: every KV head of the model (see :mod:`.shards`)."""
+        """A stored page: every KV head of the model (see :mod:`.shards`), or one slot per rank
+        (:func:`.groups.page_heads`)."""
         assert self.heads is not None
         return full_shape(self.page_shape(), self.head_axis, self.heads.total)
 

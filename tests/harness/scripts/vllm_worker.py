@@ -55,6 +55,7 @@ def make_llm(a: dict):
         seed=0,
         enable_prefix_caching=True,
         **({"mamba_cache_mode": a["mamba_cache_mode"]} if a.get("mamba_cache_mode") else {}),
+        **({"speculative_config": a["speculative_config"]} if a.get("speculative_config") else {}),
         kv_transfer_config=kv_config(a) if a.get("connector", True) else None,
         # a random model fills JSON with whitespace: keep the schema's output bounded
         **({"structured_outputs_config": COMPACT_JSON} if a.get("tokenizer") else {}),
@@ -130,7 +131,9 @@ def checkpoint_in_flight(a: dict, llm, repo, outs: dict, requests: dict, min_out
     from agent import session
     from agent.engines import canary
 
-    probe = canary.record(make_generate(llm, outs))
+    # ``canary: false``: no probe, for a test of another mechanism whose worker's own greedy outputs
+    # may differ from run to run (speculative decoding on a random model's near-tied logits)
+    probe = canary.record(make_generate(llm, outs)) if a.get("canary", True) else None
     session.hold(a["socket"], len(requests), timeout=300)
 
     def start() -> None:
@@ -290,6 +293,10 @@ def main() -> None:
         res["checkpoint_stats"] = st
         res["sizes"] = m.sizes.model_dump()
         res["ledger_outputs"] = {e["client_request_id"]: len(e["output_token_ids"]) for e in m.ledger.data["requests"]}
+        # how the stored pages' head slots map to the ranks that wrote them
+        res["page_heads"] = m.layout.get("page_heads")
+        res["shards"] = [s["kv_heads"] for s in m.layout.get("shards") or ()]
+        res["ledger_inexact"] = {e["client_request_id"]: e["inexact_reasons"] for e in m.ledger.data["requests"]}
         res["ledger_generators"] = [
             e["client_request_id"] for e in m.ledger.data["requests"] if e.get("generator_state")
         ]
