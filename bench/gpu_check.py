@@ -362,7 +362,12 @@ def _warm_then_refused(
     print(f"{label}: backend {w.attention_backend}, page format {w.kv_layout}, kv_dtype {w.kv_dtype}, ns {m.namespace}")
     ok = True
     for field, want in expect.items():
-        got = m.namespace.get(field[3:]) if field.startswith("ns.") else getattr(w, field)
+        if field.startswith("ns."):
+            got = m.namespace.get(field[3:])
+        elif field.startswith("layout."):
+            got = m.layout.get(field[7:])
+        else:
+            got = getattr(w, field)
         good = want(got) if callable(want) else got == want
         print(f"  {field} = {got!r}: {'ok' if good else 'UNEXPECTED'}")
         ok = ok and good
@@ -428,7 +433,7 @@ def hybrid_checks() -> bool:
                     tmp,
                     {"tensor_parallel_size": 2},
                     {"tp1": {"llm": {"tensor_parallel_size": 1}, "names": ["kv_groups"]}},
-                    {"kv_groups": "g0=mamba@tp2/2;g1=full/2"},
+                    {"kv_groups": "g0=mamba@tp2/2;g1=full/2", "layout.page_heads": 2},
                     worker={"system_len": 300, "seeded": False},
                 )
                 and ok

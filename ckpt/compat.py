@@ -200,7 +200,7 @@ _WORKER_RULES: Final[Mapping[str, str]] = {
         "Tensor-parallel size. Recorded, not compared: stored pages hold every KV head, "
         "and each rank of the restoring worker loads its own (resharding). A state-space group's "
         "pages do not reshard: kv_groups names its size (and page_heads, one slot per rank, "
-        "is compared with the worker's)."
+        "is compared with the worker's layout by a restore, not by these pins)."
     ),
     "pipeline_parallel_size": "Pipeline-parallel size: each stage holds a slice of the layers.",
     "rank": "The rank that described the worker. Recorded, not compared (see tensor_parallel_size).",

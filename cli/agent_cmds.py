@@ -301,7 +301,8 @@ def restore_cmd(
             resubmitted = None
             if client is not None and plan.requests:
                 try:
-                    resubmitted = session.resubmit(client, plan.requests)
+                    # with the worker: a carried state it never applied, or failed to, is said too
+                    resubmitted = session.resubmit(client, plan.requests, worker=engine)
                 except (ckpt.GpuckptError, OSError) as exc:  # the client's refusal (ServeError) or no answer
                     raise ckpt.WorkerUnreachable(f"resubmitting to {worker_url}: {exc}") from None
             # the rest streams in behind the resubmitted requests; this process must not end before it
@@ -328,6 +329,8 @@ def restore_cmd(
             )
     elif plan.to_resubmit():
         typer.echo(f"  {len(plan.to_resubmit())} requests to resubmit (pass --worker-url to resubmit them)")
+    for rid, whys in result.inexact().items():
+        typer.echo(safe(f"  {rid}: not an exact continuation: {'; '.join(whys)}"))
     for rid, why in left.items():
         typer.echo(safe(f"  {rid}: not resubmitted: {why} (its client's retry computes it)"))
 

@@ -11,7 +11,15 @@ import pytest
 
 from agent.engines import shards
 from agent.engines.base import token_digest
-from agent.engines.vllm.ledger import RunnerFacts, inexact_reasons, make_ledger, resubmissions, speculative_method
+from agent.engines.vllm.ledger import (
+    RunnerFacts,
+    inexact_reasons,
+    judged_on,
+    make_ledger,
+    resubmissions,
+    speculative_method,
+    speculative_reason,
+)
 
 
 def entry(**kw: Any) -> dict[str, Any]:
@@ -233,21 +241,63 @@ def test_a_corrupt_generator_state_replays_that_request_cold_and_nothing_else() 
     assert "warm restore only" in cold["seeded"][0]
 
 
-def test_the_restoring_worker_s_word_makes_a_seeded_request_inexact() -> None:
-    """A checkpoint of a worker without speculative decoding judged a seeded request exact; the
-    worker it is restored onto runs speculative decoding and says why it cannot be (its
-    ``states_inexact``): the restore reports the request as not exact, with that reason."""
-    from agent.engines.channel import WorkerChannel
-    from agent.session.resubmit import unapplied_states
+def test_a_restoring_worker_with_speculative_decoding_makes_seeded_requests_inexact() -> None:
+    """A ledger written without speculative decoding judged its seeded request exact; a worker that
+    runs it (its describe layout says which) cannot keep it so, on either model runner. Greedy and
+    left requests are untouched, and a ledger that already named the cause gets no second reason."""
+    led = make_ledger(
+        [
+            entry(client_request_id="s", sampling={"temperature": 1.0, "seed": 7, "max_tokens": 10}),
+            entry(client_request_id="g", sampling={"temperature": 0.0, "seed": 7, "max_tokens": 10}),
+        ],
+        step=1,
+        block_size=32,
+    )
+    reqs = resubmissions(led)
+    assert all(r.exact for r in reqs)
+    assert judged_on(reqs, {"speculative": None}) == reqs
+    s, g = judged_on(reqs, {"speculative": "eagle3"})
+    assert not s.exact
+    assert s.reasons == ("on this worker: " + speculative_reason("eagle3"),)
+    assert g.exact
+    assert g.reasons == ()
+    spec = RunnerFacts(speculative="ngram")
+    written = make_ledger(
+        [
+            entry(
+                client_request_id="s",
+                sampling={"temperature": 1.0, "seed": 7, "max_tokens": 10},
+                inexact_reasons=inexact_reasons(entry(sampling={"temperature": 1.0, "seed": 7}), spec),
+            )
+        ],
+        step=1,
+        block_size=32,
+    )
+    (again,) = judged_on(resubmissions(written), {"speculative": "ngram"})
+    assert again.reasons == (speculative_reason("ngram"),)
 
-    why = "on this worker: seeded sampling with speculative decoding (ngram): …"
 
-    class Said(WorkerChannel):
-        def stats(self) -> dict:  # type: ignore[override]
-            return {
-                "states_waiting": [],
-                "states_applied": {"cmpl-a-0": ["generator_state"]},
-                "states_inexact": {"cmpl-a-0": [why]},
-            }
+def test_the_restore_report_names_each_request_that_is_not_an_exact_continuation() -> None:
+    """``gpuckpt restore`` (text and ``--json``) says which requests are not exact and why: the
+    restore's word at plan time, then the worker's after the resubmission, merged per request."""
+    from agent.engines.serving import Completion
+    from agent.engines.types import RestorePlan
+    from agent.session.resubmit import Continuation, Restored, Resubmitted
 
-    assert unapplied_states(Said("/nonexistent")) == {"cmpl-a-0": [why]}
+    led = make_ledger(
+        [
+            entry(client_request_id="s", sampling={"temperature": 1.0, "seed": 7, "max_tokens": 10}),
+            entry(client_request_id="g", sampling={"temperature": 0.0, "max_tokens": 10}),
+        ],
+        step=1,
+        block_size=32,
+    )
+    s, g = judged_on(resubmissions(led), {"speculative": "ngram"})
+    plan = RestorePlan(True, [], [s, g])
+    assert Restored("ck", plan).to_json()["inexact"] == {"s": list(s.reasons)}
+    late = "its carried state was never applied: replayed cold"
+    done = Resubmitted(
+        (Continuation(s, Completion("s", [1])), Continuation(g, Completion("g", [2]), (late,))),
+        {"s": Completion("s", [1]), "g": Completion("g", [2])},
+    )
+    assert Restored("ck", plan, done).inexact() == {"s": list(s.reasons), "g": [late]}

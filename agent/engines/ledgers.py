@@ -9,6 +9,7 @@ listed with its schema in :mod:`agent.engines.registry`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 from agent.engines.registry import ledger_module
@@ -26,6 +27,11 @@ class LedgerFormat(Protocol):
     def read(self, ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]: ...
 
     def resubmissions(self, ledger: Ledger | dict[str, Any]) -> list[Resubmission]: ...
+
+    def judged_on(self, requests: list[Resubmission], layout: Mapping[str, Any]) -> list[Resubmission]:
+        """``requests`` with what the restoring worker (its ``describe`` layout) makes inexact added
+        to their reasons: the ledger judged them on the worker that wrote it."""
+        ...
 
     def request_states(
         self, ledger: Ledger | dict[str, Any], *, warm: bool

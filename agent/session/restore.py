@@ -207,6 +207,8 @@ def restore(
     t = lap("manifest_s", t0)
     requests = ledgers.format_of(m.ledger).resubmissions(m.ledger) if m.ledger is not None else []
     desc = describe(channel, w.engine)
+    if m.ledger is not None:  # what this worker makes inexact that the ledger's writer did not
+        requests = ledgers.format_of(m.ledger).judged_on(requests, desc.layout)
     t = lap("describe_s", t)
     reasons = list(restore_decision(m, desc, opts.policy, opts.trust_domain).reasons)
     if opts.require_canary and m.canary is None:

@@ -100,10 +100,8 @@ class Resubmitted:
 
 
 def unapplied_states(worker: WorkerLike) -> dict[str, list[str]]:
-    """The worker's word on carried states no request claimed (by ledger id), states it failed to
-    apply, and states it applied that cannot make their request exact there (a seeded request on a
-    worker with speculative decoding); empty when the worker cannot say (it may be gone: nothing
-    to add, and that is logged)."""
+    """The worker's word on carried states no request claimed (by ledger id), and states it failed
+    to apply; empty when the worker cannot say (it may be gone: nothing to add, and that is logged)."""
     try:
         st = channel_of(worker).stats()
     except Exception as exc:
@@ -117,8 +115,6 @@ def unapplied_states(worker: WorkerLike) -> dict[str, list[str]]:
         for a in applied:
             if "failed" in str(a):
                 out.setdefault(cid, []).append(f"{a}: replayed cold")
-    for cid, whys in (st.get("states_inexact") or {}).items():
-        out.setdefault(cid, []).extend(str(w) for w in whys)
     return out
 
 
@@ -154,12 +150,22 @@ class Restored:
     def outputs(self) -> dict[str, dict[str, Any]]:
         return self.resubmitted.outputs() if self.resubmitted is not None else {}
 
+    def inexact(self) -> dict[str, list[str]]:
+        """Each resubmitted request that is not an exact continuation, and why: the restore's word
+        (the ledger's, judged on this worker) and, once resubmitted, the worker's."""
+        out = self.plan.inexact()
+        if self.resubmitted is not None:
+            for rid, whys in self.resubmitted.newly_inexact().items():
+                out[rid] = list(dict.fromkeys([*out.get(rid, []), *whys]))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         outputs = self.outputs()
         return {
             "checkpoint": self.checkpoint,
             "warm": self.plan.warm,
             "reasons": self.plan.reasons,
+            "inexact": self.inexact(),
             "blocks_offered": self.plan.offered_total,
             "requests": [x.request_id for x in self.plan.requests],
             "resubmitted": bool(outputs),

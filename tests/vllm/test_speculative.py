@@ -5,8 +5,9 @@ restores: every request finishes. Its seeded request is not promised exact: reje
 draws random numbers per draft token, and a restored request drafts differently (its first
 step drafts nothing), so its continuation is another sample of the same distribution — the
 ledger says so, naming speculative decoding, and greedy requests stay exact. A checkpoint of a
-worker without speculative decoding restored onto one with it: that worker's word marks the
-seeded request inexact (``states_inexact``), naming speculative decoding on this worker.
+worker without speculative decoding restored onto one with it: the restore, judging the ledger on
+that worker's description, marks the seeded request inexact, naming speculative decoding on this
+worker.
 
 (Greedy outputs under speculative decoding are the engine's own only up to numerics: the
 verification pass computes several positions at once, and a random model's near-tied logits
@@ -36,7 +37,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         return {"model": model, "socket": str(tmp / f"{name}.sock"), "staging": str(tmp / f"stage-{name}")}
 
     spec = {"repo": str(tmp / "repo-spec"), "speculative_config": NGRAM}
-    plain = {"repo": str(tmp / "repo-plain"), "canary": False}  # see the module's note on numerics
+    plain = {"repo": str(tmp / "repo-plain")}
     a = run_workers(
         {"spec": {**at("a"), **spec, "mode": "checkpoint"}, "plain": {**at("p"), **plain, "mode": "checkpoint"}},
         tmp,
@@ -88,11 +89,16 @@ def test_a_worker_with_speculative_decoding_restores_and_finishes_every_request(
         assert r["full"][: r["prompt_len"]] == a["reference"][rid][: r["prompt_len"]], rid
 
 
-def test_restored_onto_speculative_decoding_the_worker_marks_the_seeded_request_inexact(runs: dict) -> None:
+def test_restored_onto_speculative_decoding_the_seeded_request_is_reported_inexact(runs: dict) -> None:
+    """Warm or, where the canary's greedy probe disagrees, cold (see the module's note): either
+    way the plan names speculative decoding on this worker for the seeded request alone."""
     c = runs["onto-spec"]
-    assert c["warm"], c["reasons"]
-    said = c["connector"]["states_inexact"]
-    assert set(said) == {"seeded0"}, said
-    (why,) = said["seeded0"]
+    assert c["warm"] or all(r.startswith("canary:") for r in c["reasons"]), c["reasons"]
+    named = {rid for rid, whys in c["inexact"].items() if any("speculative decoding" in w for w in whys)}
+    assert named == {"seeded0"}, c["inexact"]
+    (why,) = [w for w in c["inexact"]["seeded0"] if "speculative decoding" in w]
     assert why.startswith("on this worker: seeded sampling with speculative decoding (ngram)"), why
     assert len(c["restored"]["seeded0"]["full"]) == len(runs["plain"]["reference"]["seeded0"])
+    # the restore onto the same arguments adds nothing the ledger did not already say
+    b = runs["b"]
+    assert [w for w in b["inexact"]["seeded0"] if "speculative decoding" in w] == runs["a"]["ledger_inexact"]["seeded0"]

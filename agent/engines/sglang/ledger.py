@@ -43,6 +43,7 @@ same — its KV is right — but reported as a cold replay):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from agent.engines.types import Resubmission
@@ -221,6 +222,11 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
         )
     out += [Resubmission.left(e["rid"], str(e[LEFT])) for e in left_entries(ledger)]
     return out
+
+
+def judged_on(requests: list[Resubmission], layout: Mapping[str, Any]) -> list[Resubmission]:
+    """``requests`` as the ledger judged them: nothing of an SGLang worker's layout changes that."""
+    return requests
 
 
 def request_states(ledger: Ledger | dict[str, Any], *, warm: bool) -> tuple[dict[str, Any], dict[str, list[str]]]:

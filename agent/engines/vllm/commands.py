@@ -180,8 +180,6 @@ class VllmService(WorkerService):
         self.state_alias: dict[str, str] = {}
         self.states_refused: dict[str, str] = {}  # ledger client id → why a claimant was refused
         self.states_applied: dict[str, list[str]] = {}  # client id → what was applied
-        # client id → why an applied state does not make its request exact on this worker
-        self.states_inexact: dict[str, list[str]] = {}
         # every rank's self-description (from GpuckptWorkerMeta.reports); describe waits for them
         self.reports: dict[int, dict[str, Any]] = {}
         self.reports_until = 0.0  # an idle engine steps for them until then (while describe waits)
@@ -266,7 +264,6 @@ class VllmService(WorkerService):
             "states_waiting": sorted(self.state_offer),
             "states_applied": {k: list(v) for k, v in self.states_applied.items()},
             "states_refused": dict(self.states_refused),
-            "states_inexact": {k: list(v) for k, v in self.states_inexact.items()},
             "stream": None if self.stream is None else {"seq": self.stream.seq, **self.stream.summary()},
             "ranks_reported": len(self.reports),
         }

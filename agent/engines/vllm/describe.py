@@ -19,6 +19,7 @@ from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
 from agent.engines.vllm.groups import LEGACY_SIGNATURE, not_carried, page_heads, signature, worker_groups
+from agent.engines.vllm.ledger import speculative_method
 from ckpt import ABSENT, fingerprint
 from ckpt.pins import GPU_FACTS
 
@@ -169,6 +170,9 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "tensor_parallel_size": tp,
         "model_runner": model_runner,
         "async_scheduling": bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+        # what a restore onto this worker cannot keep exact (ledger.judged_on); not a pin: the KV is
+        # the same with or without it
+        "speculative": speculative_method(vllm_config),
         "ranks": reports,
         "page": (
             "one block id across all layer slots (a slot: one layer of each KV cache group), "

@@ -72,8 +72,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,7 +233,27 @@ def speculative_method(vllm_config: Any) -> str | None:
     return str(getattr(sc, "method", None) or "speculative")
 
 
-def seeded_sampling(sampling: dict[str, Any]) -> bool:
+def judged_on(requests: list[Resubmission], layout: Mapping[str, Any]) -> list[Resubmission]:
+    """``requests`` as the restoring worker (its ``describe`` layout) lets them continue: where it
+    runs speculative decoding (``layout["speculative"]``), a seeded sampled request the ledger
+    judged exact (its writer ran none) is not — on either model runner (V1's generator, V2's
+    noise by seed and position: the rejection sampler's draws depend on the drafts)."""
+    method = layout.get("speculative")
+    if not method:
+        return requests
+    why = f"on this worker: {speculative_reason(str(method))}"
+    return [
+        dataclasses.replace(r, exact=False, reasons=(*r.reasons, why))
+        # (a ledger written under speculative decoding already says so, for the same cause)
+        if r.left_to_client is None
+        and seeded_sampling(r.sampling)
+        and not any("with speculative decoding" in x for x in r.reasons)
+        else r
+        for r in requests
+    ]
+
+
+def seeded_sampling(sampling: Mapping[str, Any]) -> bool:
     """Whether a request samples with a seed (greedy ignores its seed)."""
     return sampling.get("seed") is not None and float(sampling.get("temperature", 1.0) or 0.0) > 0.0
 

@@ -64,7 +64,7 @@ from agent.engines.types import token_digest
 from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
 from agent.engines.vllm.groups import STATE, GroupRule, group_key, plan_hit
-from agent.engines.vllm.ledger import client_id, speculative_reason
+from agent.engines.vllm.ledger import client_id
 from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta, tail_identified, tail_key
 
 if TYPE_CHECKING:
@@ -386,10 +386,6 @@ class SchedulerHalf(VllmService):
         else:
             self.send_state(request.request_id, g, prior)
         applied += ["generator_state"] * bool(g) + ["prior_outputs"] * bool(prior)
-        if g and self.runner_facts.speculative:
-            # a checkpoint of a worker without speculative decoding judged this seeded request exact
-            why = speculative_reason(self.runner_facts.speculative)
-            self.states_inexact.setdefault(cid, []).append(f"on this worker: {why}")
         grammar_outputs = st.get("grammar_outputs")
         if grammar_outputs:
             so = getattr(request, "structured_output_request", None)

@@ -131,9 +131,7 @@ def checkpoint_in_flight(a: dict, llm, repo, outs: dict, requests: dict, min_out
     from agent import session
     from agent.engines import canary
 
-    # ``canary: false``: no probe, for a test of another mechanism whose worker's own greedy outputs
-    # may differ from run to run (speculative decoding on a random model's near-tied logits)
-    probe = canary.record(make_generate(llm, outs)) if a.get("canary", True) else None
+    probe = canary.record(make_generate(llm, outs))
     session.hold(a["socket"], len(requests), timeout=300)
 
     def start() -> None:
@@ -315,6 +313,7 @@ def main() -> None:
             repo, a["checkpoint"], a["socket"], staging_dir=a["staging"], generate=make_generate(llm, gen_outs)
         )
         res["warm"], res["reasons"], res["restore_stats"] = plan.warm, plan.reasons, plan.stats
+        res["inexact"] = plan.inexact()  # each request the restore does not promise exact, and why
         offline.submit(llm, plan.requests)
         outs = {}
         first: dict = {}
