@@ -210,16 +210,22 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return {"a": a, "b": b, "c": c, "replicas": d, "replicas-restored": e}
 
 
-def test_a_state_space_model_at_tensor_parallel_size_2_restores_warm_onto_the_same_size(tp2: dict) -> None:
-    a, b = tp2["a"], tp2["b"]
-    assert a["kv_groups"] == "g0=mamba@tp2/2;g1=full/2"
-    assert a["checkpoint_stats"]["pages"] > 0
+def warm_and_exact(a: dict, b: dict) -> None:
+    """``b`` restored ``a``'s checkpoint warm: each request had all but its last token loaded (its
+    running state's tail) and continued token-exact."""
     assert b["warm"], b["reasons"]
     assert set(b["restored"]) == set(a["reference"])
     loaded = b["connector_after_restore"]["restored_tokens"]
     for rid, r in b["restored"].items():
         assert r["full"] == a["reference"][rid], rid
         assert loaded[rid] == r["prompt_len"] - 1, (rid, loaded[rid], r)
+
+
+def test_a_state_space_model_at_tensor_parallel_size_2_restores_warm_onto_the_same_size(tp2: dict) -> None:
+    a, b = tp2["a"], tp2["b"]
+    assert a["kv_groups"] == "g0=mamba@tp2/2;g1=full/2"
+    assert a["checkpoint_stats"]["pages"] > 0
+    warm_and_exact(a, b)
 
 
 def test_onto_another_tensor_parallel_size_its_restore_is_cold_naming_the_state_group(tp2: dict) -> None:
@@ -247,12 +253,7 @@ def test_above_the_model_s_kv_heads_the_state_is_carried_one_slot_per_rank(tp2: 
     assert a["shards"] == [[0, 1], [1, 1]]  # slot r is rank r's (by heads both would be head 0)
     assert tp2["a"]["page_heads"] is None  # 2 KV heads at TP 2: each rank's own, by heads
     assert tp2["a"]["shards"] == [[0, 1], [1, 1]]
-    assert b["warm"], b["reasons"]
-    assert set(b["restored"]) == set(a["reference"])
-    loaded = b["connector_after_restore"]["restored_tokens"]
-    for rid, r in b["restored"].items():
-        assert r["full"] == a["reference"][rid], rid
-        assert loaded[rid] == r["prompt_len"] - 1, (rid, loaded[rid], r)
+    warm_and_exact(a, b)
 
 
 def test_a_group_it_cannot_carry_starts_anyway_and_restores_cold_naming_the_group(runs: dict) -> None:
