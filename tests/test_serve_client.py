@@ -7,6 +7,7 @@ id mapping, the request body, stream parsing and error messages.
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -117,3 +118,70 @@ def test_wait_ready_gives_up_when_the_worker_process_died() -> None:
         pytest.raises(ServeError, match="exited before its API became ready"),
     ):
         c.wait_ready(timeout=30, alive=lambda: False)
+
+
+def test_a_call_never_meets_a_connection_the_server_closed() -> None:
+    """A server that closes a kept-alive connection as the next call arrives on it (uvicorn's idle
+    timeout racing the call: "Server disconnected without sending a response", a resubmission
+    lost under load). Here the server always does, on a connection's second request; every call
+    of the worker clients gets an answer, each on a connection of its own."""
+    import socket
+
+    from agent.engines.sglang.serve import SglangClient
+
+    served: list[int] = []
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            first = True
+            while True:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if not data or not first:
+                    return  # a second request on this connection: closed without an answer
+                first = False
+                body = json.dumps({"data": [{"id": "tiny"}]}).encode()
+                served.append(1)
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                conn.sendall(head.encode() + body)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        for _ in range(3):
+            with ServeClient(url) as c:
+                assert c.model == "tiny"
+        vllm = ServeClient(url)
+        sg = SglangClient(url)
+        try:
+            for _ in range(3):
+                vllm._model = None
+                assert vllm.model == "tiny"
+                assert sg._http.get("/v1/models").status_code == 200
+        finally:
+            vllm.close()
+            sg.close()
+        # the same calls over kept-alive connections fail as the agent's resubmission did
+        with httpx.Client(base_url=url) as kept:
+            assert kept.get("/v1/models").status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                kept.get("/v1/models")
+    finally:
+        srv.close()
+    assert len(served) >= 9

@@ -11,7 +11,15 @@ import httpx
 
 from ckpt.errors import EngineRefused
 
-__all__ = ["Completion", "ServeError", "check_response", "split_left"]
+__all__ = ["NO_KEEPALIVE", "Completion", "ServeError", "check_response", "split_left"]
+
+#: The agent's connections to a worker's server are not kept alive between calls. A server closes
+#: an idle connection after a few seconds (uvicorn, under vLLM's and SGLang's servers: 5 s); a call
+#: that takes that connection from the pool as the server closes it fails with "Server
+#: disconnected without sending a response" — a resubmission lost to a race, seen under load
+#: (the agent's hold renewals leave such connections behind). The agent's calls are few and on
+#: loopback: a connection each costs nothing, and no call can meet a connection the server closed.
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
 
 class ServeError(EngineRefused):

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from agent.engines.serving import Completion, ServeError, check_response, split_left
+from agent.engines.serving import NO_KEEPALIVE, Completion, ServeError, check_response, split_left
 from agent.engines.sglang.ledger import SAMPLING_FIELDS
 from agent.engines.types import Resubmission
 
@@ -116,7 +116,9 @@ class SglangClient:
     the resubmissions batch in the server as they did before the checkpoint)."""
 
     def __init__(self, base_url: str, *, timeout: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport)
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), timeout=timeout, transport=transport, limits=NO_KEEPALIVE
+        )
 
     def close(self) -> None:
         self._http.close()

@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from agent import fs
-from agent.engines.serving import Completion, ServeError, check_response, split_left
+from agent.engines.serving import NO_KEEPALIVE, Completion, ServeError, check_response, split_left
 from agent.engines.types import Resubmission
 from agent.engines.vllm.ledger import SAMPLING_FIELDS
 from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
@@ -163,7 +163,9 @@ class ServeClient:
         gpuckpt's middleware; read when :meth:`submit` first needs it, checked like every file a
         worker hands the agent, ``trust`` saying whose it may be)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport, limits=NO_KEEPALIVE
+        )
         self._model = model
         self._token_file, self._trust = token_file, trust
         self._token: str | None = None
