@@ -1,13 +1,12 @@
 """Speculative decoding (vLLM's ``ngram`` method, which the CPU build runs) with gpuckpt loaded.
 
-A worker with speculative decoding starts with gpuckpt's connector, checkpoints mid-decode and
-restores: every request finishes. Its seeded request is not promised exact: rejection sampling
-draws random numbers per draft token, and a restored request drafts differently (its first
-step drafts nothing), so its continuation is another sample of the same distribution — the
-ledger says so, naming speculative decoding, and greedy requests stay exact. A checkpoint of a
-worker without speculative decoding restored onto one with it: the restore, judging the ledger on
-that worker's description, marks the seeded request inexact, naming speculative decoding on this
-worker.
+A worker with speculative decoding starts with gpuckpt's connector and checkpoints mid-decode;
+a worker with it restores (a checkpoint of one without): every request finishes. A seeded
+request is not promised exact there: rejection sampling draws random numbers per draft token,
+and a restored request drafts differently (its first step drafts nothing), so its continuation
+is another sample of the same distribution. The ledger says so, naming speculative decoding,
+and greedy requests stay exact; the restore onto a worker with it, judging the ledger on that
+worker's description, says so too ("on this worker").
 
 (Greedy outputs under speculative decoding are the engine's own only up to numerics: the
 verification pass computes several positions at once, and a random model's near-tied logits
@@ -21,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness.models import write_tiny_llama
-from tests.harness.vllm import run_workers
+from tests.harness.vllm import run_worker, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -43,28 +42,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         tmp,
         kill_after_result=True,
     )
-    b = run_workers(
+    # the checkpoint without speculative decoding, restored onto a worker with it
+    b = run_worker(
         {
-            "spec": {
-                **at("b"),
-                **spec,
-                "mode": "restore",
-                "checkpoint": a["spec"]["checkpoint"],
-                "turn1": a["spec"]["turn1"],
-            },
-            # the checkpoint without speculative decoding, onto a worker with it
-            "onto-spec": {
-                **at("c"),
-                **plain,
-                "speculative_config": NGRAM,
-                "mode": "restore",
-                "checkpoint": a["plain"]["checkpoint"],
-                "turn1": a["plain"]["turn1"],
-            },
+            **at("c"),
+            **plain,
+            "speculative_config": NGRAM,
+            "mode": "restore",
+            "checkpoint": a["plain"]["checkpoint"],
+            "turn1": a["plain"]["turn1"],
         },
         tmp,
     )
-    return {"a": a["spec"], "b": b["spec"], "plain": a["plain"], "onto-spec": b["onto-spec"]}
+    return {"a": a["spec"], "plain": a["plain"], "onto-spec": b}
 
 
 def test_the_ledger_names_speculative_decoding_for_the_seeded_request_alone(runs: dict) -> None:
@@ -80,25 +70,16 @@ def test_the_ledger_names_speculative_decoding_for_the_seeded_request_alone(runs
 
 
 def test_a_worker_with_speculative_decoding_restores_and_finishes_every_request(runs: dict) -> None:
-    a, b = runs["a"], runs["b"]
-    assert b["warm"] or all(r.startswith("canary:") for r in b["reasons"]), b["reasons"]
-    assert set(b["restored"]) == set(a["reference"])
-    for rid, r in b["restored"].items():
-        assert len(r["full"]) == len(a["reference"][rid]), rid  # every request ran its whole budget
-        # resubmitted as its prompt and the outputs it had: what the uninterrupted worker had then
-        assert r["full"][: r["prompt_len"]] == a["reference"][rid][: r["prompt_len"]], rid
-
-
-def test_restored_onto_speculative_decoding_the_seeded_request_is_reported_inexact(runs: dict) -> None:
-    """Warm or, where the canary's greedy probe disagrees, cold (see the module's note): either
-    way the plan names speculative decoding on this worker for the seeded request alone."""
-    c = runs["onto-spec"]
+    """Warm or, where the canary's greedy probe disagrees, cold (see the module's note): every
+    request runs its whole budget, resubmitted as the prompt and outputs the uninterrupted worker
+    had; the plan names speculative decoding on this worker for the seeded request alone."""
+    ref, c = runs["plain"]["reference"], runs["onto-spec"]
     assert c["warm"] or all(r.startswith("canary:") for r in c["reasons"]), c["reasons"]
+    assert set(c["restored"]) == set(ref)
+    for rid, r in c["restored"].items():
+        assert len(r["full"]) == len(ref[rid]), rid
+        assert r["full"][: r["prompt_len"]] == ref[rid][: r["prompt_len"]], rid
     named = {rid for rid, whys in c["inexact"].items() if any("speculative decoding" in w for w in whys)}
     assert named == {"seeded0"}, c["inexact"]
     (why,) = [w for w in c["inexact"]["seeded0"] if "speculative decoding" in w]
     assert why.startswith("on this worker: seeded sampling with speculative decoding (ngram)"), why
-    assert len(c["restored"]["seeded0"]["full"]) == len(runs["plain"]["reference"]["seeded0"])
-    # the restore onto the same arguments adds nothing the ledger did not already say
-    b = runs["b"]
-    assert [w for w in b["inexact"]["seeded0"] if "speculative decoding" in w] == runs["a"]["ledger_inexact"]["seeded0"]
