@@ -205,11 +205,12 @@ def restore(
 
     m = repo.manifest(ref)
     t = lap("manifest_s", t0)
-    requests = ledgers.format_of(m.ledger).resubmissions(m.ledger) if m.ledger is not None else []
+    fmt = ledgers.format_of(m.ledger) if m.ledger is not None else None
+    requests = fmt.resubmissions(m.ledger) if fmt is not None and m.ledger is not None else []
     desc = describe(channel, w.engine)
-    if m.ledger is not None:  # what this worker makes inexact that the ledger's writer did not
-        requests = ledgers.format_of(m.ledger).judged_on(requests, desc.layout)
     t = lap("describe_s", t)
+    if fmt is not None:  # what this worker makes inexact that the ledger's writer did not
+        requests = fmt.judged_on(requests, desc.layout)
     reasons = list(restore_decision(m, desc, opts.policy, opts.trust_domain).reasons)
     if opts.require_canary and m.canary is None:
         reasons.append(f"canary: checkpoint {m.id} recorded no probe, so a warm restore could not be checked")

@@ -155,8 +155,7 @@ class Restored:
         (the ledger's, judged on this worker) and, once resubmitted, the worker's."""
         out = self.plan.inexact()
         if self.resubmitted is not None:
-            for rid, whys in self.resubmitted.newly_inexact().items():
-                out[rid] = list(dict.fromkeys([*out.get(rid, []), *whys]))
+            out.update(self.resubmitted.newly_inexact())  # requests the plan held exact
         return out
 
     def to_json(self) -> dict[str, Any]:
