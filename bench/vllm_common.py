@@ -73,10 +73,13 @@ def make_model(root: Path, *, layers: int, hidden: int, heads: int, kv_heads: in
     return path
 
 
-def make_sliding_model(root: Path, *, window: int = 64) -> Path:
-    """A random-weight Gemma-3-style model (sliding and global layers interleaved, 4 layers,
-    ``window``-token window) saved with ``transformers``; reused when already there."""
-    path = root / f"gemma3-4L-256h-sw{window}"
+def make_sliding_model(
+    root: Path, *, window: int = 64, layers: int = 4, hidden: int = 256, heads: int = 4, vocab: int = 512
+) -> Path:
+    """A random-weight Gemma-3-style model (sliding and global layers alternating, ``layers``
+    layers, ``window``-token window) saved with ``transformers``; reused when already there."""
+    size = "" if (hidden, heads, vocab) == (256, 4, 512) else f"-{heads}a-{vocab}v"
+    path = root / f"gemma3-{layers}L-{hidden}h{size}-sw{window}"
     if (path / "config.json").exists():
         return path
     import torch
@@ -84,16 +87,16 @@ def make_sliding_model(root: Path, *, window: int = 64) -> Path:
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=8192,
         sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"] * 2,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         torch_dtype="float32",
         bos_token_id=1,
         eos_token_id=2,

@@ -464,7 +464,9 @@ def main() -> None:
     ap.add_argument(
         "--noop", action="store_true", help="add a no-op connector (vLLM's own connector cost, apart from gpuckpt's)"
     )
-    ap.add_argument("--models", default="dense,sliding", help="comma-separated: dense, sliding, dense-8L")
+    ap.add_argument(
+        "--models", default="dense,sliding", help="comma-separated: dense, sliding, dense-8L, dense-mid, sliding-mid"
+    )
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, default=3, help="timed batches per engine; the fastest counts")
@@ -495,6 +497,10 @@ def main() -> None:
         # a step nearer a GPU's (10–30 ms for a real model there): the same per-step machinery,
         # divided by a forward of 8 layers and a 32k vocabulary
         "dense-8L": lambda: make_model(root, layers=8, hidden=768, heads=12, kv_heads=4, vocab=32000, dtype="float32"),
+        # a 10–20 ms step with the per-layer machinery of 4 and 8 layers (a GPU's decode step with
+        # full CUDA graphs runs none of it), less bound by the host's memory than dense-8L
+        "dense-mid": lambda: make_model(root, layers=4, hidden=512, heads=8, kv_heads=2, vocab=16000, dtype="float32"),
+        "sliding-mid": lambda: make_sliding_model(root, layers=8, hidden=512, heads=8, vocab=16000),
     }
     env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
     in_process = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

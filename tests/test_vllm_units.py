@@ -12,6 +12,7 @@ import pytest
 from agent.engines import shards
 from agent.engines.base import token_digest
 from agent.engines.vllm.ledger import (
+    SYNTHETIC,
     RunnerFacts,
     inexact_reasons,
     judged_on,
@@ -73,6 +74,37 @@ def test_seeded_sampling_under_speculative_decoding_is_reported_and_greedy_stays
     assert inexact_reasons(seeded, RunnerFacts()) == []
     assert inexact_reasons(entry(sampling={"temperature": 0.0, "seed": 1234}), RunnerFacts(speculative=spec)) == []
     assert inexact_reasons(entry(sampling={"temperature": 0.8}), RunnerFacts(speculative=spec)) == []
+
+
+def test_synthetic_acceptance_makes_every_request_inexact_greedy_too() -> None:
+    """vLLM's ``rejection_sample_method="synthetic"`` (a benchmark mode) accepts drafts by a
+    calibrated coin, greedy requests included: no request's continuation is the uninterrupted
+    one's, and the ledger and the restoring worker both say so, naming the mode."""
+    from types import SimpleNamespace
+
+    from vllm.config import SpeculativeConfig
+
+    sc = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=3,
+        rejection_sample_method="synthetic",
+        synthetic_acceptance_length=2.0,
+    )
+    spec = speculative_method(SimpleNamespace(speculative_config=sc))
+    assert spec == "ngram" + SYNTHETIC
+    greedy = entry(sampling={"temperature": 0.0, "max_tokens": 10})
+    (why,) = inexact_reasons(greedy, RunnerFacts(speculative=spec))
+    assert "synthetic acceptance" in why
+    assert "(ngram," in why
+    assert inexact_reasons(greedy, RunnerFacts(speculative="ngram")) == []
+    led = make_ledger([greedy | {"client_request_id": "g"}], step=1, block_size=32)
+    (g,) = judged_on(resubmissions(led), {"speculative": spec})
+    assert not g.exact
+    assert g.reasons == ("on this worker: " + speculative_reason(spec),)
+    # a ledger written under synthetic acceptance already names the cause: no second reason
+    led = make_ledger([greedy | {"client_request_id": "g", "inexact_reasons": [why]}], step=1, block_size=32)
+    (again,) = judged_on(resubmissions(led), {"speculative": spec})
+    assert again.reasons == (why,)
 
 
 def test_an_unknown_grammar_backend_is_reported_and_parallel_choices_are_exact() -> None:

@@ -220,24 +220,34 @@ def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
     if sampling.get("seed") is not None and runner.model_runner == "v1" and runner.async_scheduling:
         # the generator is read a sample ahead of the outputs the ledger knows
         reasons.append("seeded sampling on model runner v1 with async scheduling: the sampler state runs ahead")
-    if runner.speculative and seeded_sampling(sampling):
+    if runner.speculative and speculation_changes(runner.speculative, sampling):
         reasons.append(speculative_reason(runner.speculative))
     return reasons
 
 
+# vLLM's rejection_sample_method="synthetic", a benchmark mode: drafts are accepted by a coin
+# calibrated to an acceptance rate, not by the target model, greedy requests included
+SYNTHETIC = " with synthetic acceptance"
+
+
 def speculative_method(vllm_config: Any) -> str | None:
-    """The worker's speculative decoding method, ``None`` without speculative decoding."""
+    """The worker's speculative decoding method, ``None`` without speculative decoding; the method
+    ends with ``SYNTHETIC`` where drafts are accepted synthetically."""
     sc = getattr(vllm_config, "speculative_config", None)
     if sc is None:
         return None
-    return str(getattr(sc, "method", None) or "speculative")
+    method = str(getattr(sc, "method", None) or "speculative")
+    if getattr(sc, "rejection_sample_method", "standard") == "synthetic":
+        method += SYNTHETIC
+    return method
 
 
 def judged_on(requests: list[Resubmission], layout: Mapping[str, Any]) -> list[Resubmission]:
     """``requests`` as the restoring worker (its ``describe`` layout) lets them continue: where it
     runs speculative decoding (``layout["speculative"]``), a seeded sampled request the ledger
     judged exact (its writer ran none) is not — on either model runner (V1's generator, V2's
-    noise by seed and position: the rejection sampler's draws depend on the drafts)."""
+    noise by seed and position: the rejection sampler's draws depend on the drafts) — nor, under
+    synthetic acceptance, any request."""
     method = layout.get("speculative")
     if not method:
         return requests
@@ -246,8 +256,8 @@ def judged_on(requests: list[Resubmission], layout: Mapping[str, Any]) -> list[R
         dataclasses.replace(r, exact=False, reasons=(*r.reasons, why))
         # (a ledger written under speculative decoding already says so, for the same cause)
         if r.left_to_client is None
-        and seeded_sampling(r.sampling)
-        and not any("with speculative decoding" in x for x in r.reasons)
+        and speculation_changes(str(method), r.sampling)
+        and not any(_SPECULATIVE_CAUSE in x for x in r.reasons)
         else r
         for r in requests
     ]
@@ -258,8 +268,24 @@ def seeded_sampling(sampling: Mapping[str, Any]) -> bool:
     return sampling.get("seed") is not None and float(sampling.get("temperature", 1.0) or 0.0) > 0.0
 
 
+def speculation_changes(method: str, sampling: Mapping[str, Any]) -> bool:
+    """Whether speculative decoding by ``method`` (``speculative_method``'s word) keeps a request
+    of ``sampling`` from continuing exactly: a seeded sampled one always; under synthetic
+    acceptance every one, greedy too (what is accepted depends on the drafts, not the model)."""
+    return method.endswith(SYNTHETIC) or seeded_sampling(sampling)
+
+
+_SPECULATIVE_CAUSE = "with speculative decoding ("
+
+
 def speculative_reason(method: str) -> str:
-    """Why a seeded request does not continue exactly under speculative decoding."""
+    """Why a request does not continue exactly under speculative decoding by ``method``."""
+    if method.endswith(SYNTHETIC):
+        return (
+            f"sampling with speculative decoding ({method.removesuffix(SYNTHETIC)}, synthetic acceptance, "
+            "a benchmark mode): drafts are accepted by chance, not by the model, and a restored "
+            "request's drafts differ, so its continuation is another one"
+        )
     # Rejection sampling draws random numbers per draft token, and which tokens are drafted when
     # depends on the batch and on where the request (re)started: a restored request's first step
     # has no drafts. Its continuation is a sample of the same distribution, not the same sample.
