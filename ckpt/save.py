@@ -39,7 +39,7 @@ from ckpt.blobstore import BlobStore
 from ckpt.blocks import DTYPES, Block, Existing, Namespace
 from ckpt.codecs import AesGcm, BytePlane, Codec, CodecContext, Pipeline, Zstd
 from ckpt.commit import CARRY_ROUNDS, carry_forward
-from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, OperationAborted
+from ckpt.errors import BlocksMissing, ConfigError, GpuckptError, IntegrityError, OperationAborted
 from ckpt.index import PackRecord, encode_index, index_name
 from ckpt.manifest import DEFAULT_MAX_BYTES as MANIFEST_MAX_BYTES
 from ckpt.manifest import (
@@ -362,6 +362,7 @@ class _Saver:
         submitted: set[str] = set()
         encodes: list[Future[None]] = []
         missing: list[bytes] = []  # Existing blocks the repository does not hold
+        mismatched: list[tuple[bytes, int, int]] = []  # blocks stored before at another size
         try:
             for block in blocks:
                 self._check()
@@ -389,6 +390,10 @@ class _Saver:
                         known[blob_id] = entry
                     continue
                 if entry is not None:
+                    if entry.raw_length != n:
+                        # the same key and namespace naming another page format: the namespace
+                        # fails to tell two formats apart, and this page must not refer to that blob
+                        mismatched.append((block.key, entry.raw_length, n))
                     known[blob_id] = entry
                     self._release(block)
                     continue
@@ -399,6 +404,13 @@ class _Saver:
                 self.budget.acquire(n, self.abort)
                 encodes.append(self.encode_pool.submit(self._encode, blob_id, block))
                 self._report()
+            if mismatched:
+                key, stored, page = mismatched[0]
+                raise IntegrityError(
+                    f"{len(mismatched)} block(s) are already stored under this worker's namespace with another "
+                    f"size (first: {key.hex()[:16]}, stored {stored} bytes, this page {page}): the namespace does "
+                    "not tell this worker's page format from another's; nothing was made visible"
+                )
             if missing:
                 shown = ", ".join(k.hex()[:16] for k in missing[:3])
                 raise BlocksMissing(

@@ -285,6 +285,8 @@ def restore_cmd(
                 typer.echo(safe(f"plan: {verdict}; {decision.requests} requests in flight, {decision.blocks} blocks"))
                 for line in decision.reasons:
                     typer.echo(safe(f"  {line}"))
+                for rid, causes in decision.inexact.items():
+                    typer.echo(safe(f"  {rid}: not an exact continuation: {'; '.join(causes)}"))
             if not decision.warm:
                 raise typer.Exit(exitcodes.INCOMPATIBLE)
             return

@@ -124,6 +124,21 @@ def test_a_different_namespace_does_not_dedup(tmp_path: Path) -> None:
     assert_loads(repo, m2, blocks)
 
 
+def test_a_stored_block_of_another_size_under_the_same_key_is_refused_not_referenced(tmp_path: Path) -> None:
+    """A blob is found by namespace and key; a page of another size under both means the namespace
+    does not tell two page formats apart (as before the one-slot-per-rank pages of a state-space
+    worker at TP above its KV heads had their own). Referencing the stored blob would commit a
+    manifest that cannot load: the save refuses by name and commits nothing."""
+    from ckpt.errors import IntegrityError
+
+    repo = repo_factory(str(tmp_path))
+    m1 = save(repo, [make_block(i, "bfloat16", PAGE, seed=i) for i in range(4)])
+    wider = [make_block(i, "bfloat16", (8, 16, 128), seed=i) for i in range(4)]
+    with pytest.raises(IntegrityError, match=r"4 block\(s\) are already stored .* another size .*stored 16384 bytes"):
+        save(repo, wider)
+    assert [m.id for m in repo.list()] == [m1.id]
+
+
 def plain_blob_id(ns: Namespace, k: bytes) -> str:
     return hashlib.sha256(b"gpuckpt-blob\x00" + ns.id.encode() + b"\x00" + k).hexdigest()
 

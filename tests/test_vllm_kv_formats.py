@@ -321,3 +321,60 @@ def test_pages_whose_head_slots_map_to_ranks_otherwise_are_refused_by_name(model
     assert new.reasons == [
         "page heads: the checkpoint's pages hold head slots 2, one per rank; this worker's one per KV head of the model"
     ]
+
+
+def test_the_plan_names_each_request_this_worker_would_not_continue_exactly(model: Path, tmp_path: Path) -> None:
+    """The dry run (``restore_decision``: ``gpuckpt restore --dry-run``, ``GET /restore/plan``)
+    says which requests would not be exact continuations, judged on the restoring worker: a seeded
+    request restored onto speculative decoding, a penalised one onto async scheduling."""
+    from agent.engines.vllm.ledger import make_ledger
+
+    def req(rid: str, **sampling: Any) -> dict[str, Any]:
+        return {
+            "request_id": f"{rid}-0",
+            "client_request_id": rid,
+            "prompt_token_ids": [1, 2, 3],
+            "output_token_ids": [4, 5],
+            "num_computed_tokens": 4,
+            "max_tokens": 10,
+            "remaining_max_tokens": 8,
+            "min_tokens": 0,
+            "sampling": {"max_tokens": 10, **sampling},
+            "structured_outputs": None,
+            "priority": 0,
+            "cache_salt": None,
+            "lora": None,
+            "arrival_time": 0.0,
+            "inexact_reasons": [],
+            "exact": True,
+        }
+
+    w = fp8_worker(model, 1.0)
+    led = make_ledger(
+        [
+            req("seeded", temperature=1.0, seed=7),
+            req("penalised", frequency_penalty=0.5),
+            req("greedy", temperature=0.0),
+        ],
+        step=1,
+        block_size=32,
+    )
+    repo = Repository.open(str(tmp_path / "repo"), create=True)
+    m = repo.save(
+        [],
+        worker_id="w",
+        namespace=w.namespace,
+        pins=Pins(host=host_pins(w), worker=w.facts),
+        layout=dict(w.layout),
+        ledger=led,
+    )
+    assert restore_decision(m, w).inexact == {}
+    spec = WorkerDescription(
+        w.facts, {**w.layout, "speculative": "ngram", "async_scheduling": True}, w.namespace_fields
+    )
+    d = restore_decision(m, spec)
+    assert d.warm, d.reasons  # neither is a pin: the KV is the same
+    assert set(d.inexact) == {"seeded", "penalised"}
+    assert d.inexact["seeded"][0].startswith("on this worker: seeded sampling with speculative decoding (ngram)")
+    assert "async scheduling" in d.inexact["penalised"][0]
+    assert d.to_json()["inexact"] == d.inexact

@@ -309,6 +309,51 @@ def test_a_restoring_worker_with_speculative_decoding_makes_seeded_requests_inex
     assert again.reasons == (speculative_reason("ngram"),)
 
 
+def test_a_restoring_runner_that_cannot_give_back_earlier_outputs_makes_penalised_requests_inexact() -> None:
+    """Penalties and bad words count a request's earlier outputs, which only V1 with synchronous
+    scheduling puts back in the sampler's view. The ledger's writer judged by its own runner; a
+    restore onto V1 with async scheduling or onto V2 (where the plan goes cold) must say the
+    request is not exact, once, and leave requests without outputs or penalties alone."""
+    pen = {"frequency_penalty": 0.8, "max_tokens": 10}
+    led = make_ledger(
+        [
+            entry(client_request_id="p", sampling=pen, output_token_ids=[5, 6]),
+            entry(client_request_id="fresh", sampling=pen, output_token_ids=[]),
+            entry(client_request_id="g", sampling={"temperature": 0.0, "max_tokens": 10}, output_token_ids=[5]),
+        ],
+        step=1,
+        block_size=32,
+    )
+    reqs = resubmissions(led)
+    assert all(r.exact for r in reqs)
+    assert judged_on(reqs, {"model_runner": "v1", "async_scheduling": False}) == reqs
+    p, fresh, g = judged_on(reqs, {"model_runner": "v1", "async_scheduling": True})
+    assert not p.exact
+    (why,) = p.reasons
+    assert why.startswith("on this worker: frequency_penalty count earlier outputs")
+    assert why.endswith("model runner v1 with async scheduling")
+    assert fresh.exact
+    assert g.exact
+    p2, _, _ = judged_on(reqs, {"model_runner": "v2"})
+    assert p2.reasons == ("on this worker: " + inexact_reasons(entry(sampling=pen), RunnerFacts("v2"))[0],)
+    # written on V2, restored onto V2: the ledger already names the cause in the same words
+    v2 = RunnerFacts("v2")
+    written = make_ledger(
+        [
+            entry(
+                client_request_id="p",
+                sampling=pen,
+                output_token_ids=[5, 6],
+                inexact_reasons=inexact_reasons(entry(sampling=pen), v2),
+            )
+        ],
+        step=1,
+        block_size=32,
+    )
+    (again,) = judged_on(resubmissions(written), {"model_runner": "v2"})
+    assert again.reasons == tuple(inexact_reasons(entry(sampling=pen), v2))
+
+
 def test_the_restore_report_names_each_request_that_is_not_an_exact_continuation() -> None:
     """``gpuckpt restore`` (text and ``--json``) says which requests are not exact and why: the
     restore's word at plan time, then the worker's after the resubmission, merged per request."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.engines import ledgers, shards
-from agent.engines.types import TRUST_DOMAIN, WorkerDescription
+from agent.engines.types import TRUST_DOMAIN, Resubmission, WorkerDescription
 from agent.session.worker import WorkerLike, describe, host_pins
 from ckpt import Manifest, Pins, Policy, decide
 from ckpt.compat import STRICT, RuleResult, rule_json
@@ -29,6 +29,9 @@ class Decision:
     policy: Policy
     requests: int
     blocks: int
+    #: the requests that would not continue from the exact next token even on a warm restore,
+    #: and why: the ledger's word, then this worker's (``LedgerFormat.judged_on``)
+    inexact: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -37,6 +40,7 @@ class Decision:
             "reasons": list(self.reasons),
             "requests": self.requests,
             "blocks": self.blocks,
+            "inexact": {k: list(v) for k, v in self.inexact.items()},
             "results": [rule_json(r, self.policy) for r in self.results],
         }
 
@@ -78,7 +82,11 @@ def _head_slot_reasons(theirs: Any, ours: Any) -> list[str]:
 
 
 def restore_decision(
-    m: Manifest, desc: WorkerDescription, policy: Policy | None = None, trust_domain: str | None = None
+    m: Manifest,
+    desc: WorkerDescription,
+    policy: Policy | None = None,
+    trust_domain: str | None = None,
+    judged: list[Resubmission] | None = None,
 ) -> Decision:
     """The restore decision for checkpoint ``m`` and the worker ``desc`` describes, on this host:
     the pins' rules (:func:`ckpt.decide` under ``policy``), the block namespace, the trust domain
@@ -86,7 +94,10 @@ def restore_decision(
 
     With ``trust_domain``, a checkpoint taken in another domain is refused by name: its bytes came
     from workers this one does not trust. A checkpoint that names no domain (an older agent's) is
-    allowed: those deduplicated across every worker of the repository (docs/agent.md)."""
+    allowed: those deduplicated across every worker of the repository (docs/agent.md).
+
+    ``judged``: the ledger's requests as this worker judges them, where the caller has them
+    (:func:`agent.session.restore`); read from the ledger otherwise."""
     policy = policy or STRICT
     decision = decide(m.pins, Pins(host=host_pins(desc), worker=desc.facts), policy)
     reasons = list(decision.reasons)
@@ -105,8 +116,25 @@ def restore_decision(
         if why:
             reasons.append(f"KV not carried ({side}): {why}")
     return Decision(
-        m.id, not reasons, reasons, decision.results, policy, ledgers.request_count(m.ledger), m.sizes.blocks
+        m.id,
+        not reasons,
+        reasons,
+        decision.results,
+        policy,
+        ledgers.request_count(m.ledger),
+        m.sizes.blocks,
+        _inexact(m, desc, judged),
     )
+
+
+def _inexact(m: Manifest, desc: WorkerDescription, judged: list[Resubmission] | None) -> dict[str, list[str]]:
+    """The checkpoint's requests that would not continue exactly on this worker, and why."""
+    if judged is None:
+        if m.ledger is None:
+            return {}
+        fmt = ledgers.format_of(m.ledger)
+        judged = fmt.judged_on(fmt.resubmissions(m.ledger), desc.layout)
+    return {r.request_id: list(r.reasons) for r in judged if not r.exact and r.left_to_client is None}
 
 
 def plan(

@@ -211,7 +211,7 @@ def restore(
     t = lap("describe_s", t)
     if fmt is not None:  # what this worker makes inexact that the ledger's writer did not
         requests = fmt.judged_on(requests, desc.layout)
-    reasons = list(restore_decision(m, desc, opts.policy, opts.trust_domain).reasons)
+    reasons = list(restore_decision(m, desc, opts.policy, opts.trust_domain, requests).reasons)
     if opts.require_canary and m.canary is None:
         reasons.append(f"canary: checkpoint {m.id} recorded no probe, so a warm restore could not be checked")
     elif opts.require_canary and generate is None:

@@ -251,7 +251,10 @@ def test_above_the_model_s_kv_heads_the_state_is_carried_one_slot_per_rank(tp2: 
     assert a["checkpoint_stats"]["pages"] > 0
     assert a["page_heads"] == 2
     assert a["shards"] == [[0, 1], [1, 1]]  # slot r is rank r's (by heads both would be head 0)
+    # another page format than pages of the model's heads: their blocks never share a blob
+    assert a["namespace_kv"].endswith("/slots2"), a["namespace_kv"]
     assert tp2["a"]["page_heads"] is None  # 2 KV heads at TP 2: each rank's own, by heads
+    assert "/slots" not in tp2["a"]["namespace_kv"]
     assert tp2["a"]["shards"] == [[0, 1], [1, 1]]
     warm_and_exact(a, b)
 

@@ -184,7 +184,11 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "model": model_digest or f"path:{mc.model}",
         "layout": layout or "unknown",
         "kv": f"{kv_dtype}/bs{cc.block_size}/h{total_heads}x{spec.head_size}/l{slots}"
-        + ("" if sig == LEGACY_SIGNATURE else f"/{sig}"),
+        + ("" if sig == LEGACY_SIGNATURE else f"/{sig}")
+        # pages of one slot per rank are another format than pages of the model's heads under
+        # the same pins (an MLA + state hybrid's were carried as rank 0's alone before): their
+        # blocks must never share a blob
+        + (f"/slots{head_slots}" if head_slots != total_heads else ""),
         "hash": f"{facts['prefix_hash_algo']}/{facts['prefix_hash_seed']}",
     }
     if scales is not None:

@@ -208,12 +208,8 @@ def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
     reasons = []
     sampling = entry["sampling"]
     if entry["output_token_ids"]:
-        needs_prior = [f for f in PRIOR_OUTPUTS_NEEDED if sampling.get(f)]
-        if needs_prior and (runner.model_runner != "v1" or runner.async_scheduling):
-            reasons.append(
-                f"{', '.join(needs_prior)} count earlier outputs, which the restored request cannot be given on "
-                f"model runner {runner.model_runner}{' with async scheduling' if runner.async_scheduling else ''}"
-            )
+        if prior := priors_reason(sampling, runner):
+            reasons.append(prior)
         so = entry.get("structured_outputs")
         if so is not None and so.get("backend") not in GRAMMAR_BACKENDS:
             reasons.append(f"structured outputs: grammar backend {so.get('backend')!r} cannot be advanced")
@@ -223,6 +219,19 @@ def inexact_reasons(entry: dict[str, Any], runner: RunnerFacts) -> list[str]:
     if runner.speculative and speculation_changes(runner.speculative, sampling):
         reasons.append(speculative_reason(runner.speculative))
     return reasons
+
+
+def priors_reason(sampling: Mapping[str, Any], runner: RunnerFacts) -> str | None:
+    """Why a request of ``sampling`` that has outputs cannot be given them back in the sampler's
+    view on ``runner`` (``None``: it can, or needs none) — a fact of the restoring worker's runner,
+    which the ledger's writer judged by its own."""
+    needs_prior = [f for f in PRIOR_OUTPUTS_NEEDED if sampling.get(f)]
+    if not needs_prior or (runner.model_runner == "v1" and not runner.async_scheduling):
+        return None
+    return (
+        f"{', '.join(needs_prior)} count earlier outputs, which the restored request cannot be given on "
+        f"model runner {runner.model_runner}{' with async scheduling' if runner.async_scheduling else ''}"
+    )
 
 
 # vLLM's rejection_sample_method="synthetic", a benchmark mode: drafts are accepted by a coin
@@ -243,24 +252,36 @@ def speculative_method(vllm_config: Any) -> str | None:
 
 
 def judged_on(requests: list[Resubmission], layout: Mapping[str, Any]) -> list[Resubmission]:
-    """``requests`` as the restoring worker (its ``describe`` layout) lets them continue: where it
-    runs speculative decoding (``layout["speculative"]``), a seeded sampled request the ledger
-    judged exact (its writer ran none) is not — on either model runner (V1's generator, V2's
-    noise by seed and position: the rejection sampler's draws depend on the drafts) — nor, under
-    synthetic acceptance, any request."""
-    method = layout.get("speculative")
-    if not method:
-        return requests
-    why = f"on this worker: {speculative_reason(str(method))}"
-    return [
-        dataclasses.replace(r, exact=False, reasons=(*r.reasons, why))
-        # (a ledger written under speculative decoding already says so, for the same cause)
-        if r.left_to_client is None
-        and speculation_changes(str(method), r.sampling)
-        and not any(_SPECULATIVE_CAUSE in x for x in r.reasons)
-        else r
-        for r in requests
-    ]
+    """``requests`` as the restoring worker (its ``describe`` layout) lets them continue, where the
+    ledger's writer judged them by its own runner. Where the worker runs speculative decoding
+    (``layout["speculative"]``), a seeded sampled request is not exact — on either model runner
+    (V1's generator, V2's noise by seed and position: the rejection sampler's draws depend on the
+    drafts) — nor, under synthetic acceptance, any request. Where its runner cannot put a
+    request's earlier outputs back in the sampler's view (V2, or async scheduling:
+    ``model_runner``, ``async_scheduling``), a request with penalties or bad words that counts
+    them is not exact either."""
+    worker = RunnerFacts(
+        str(layout.get("model_runner") or "v1"), bool(layout.get("async_scheduling")), layout.get("speculative")
+    )
+
+    def on_worker(r: Resubmission) -> Resubmission:
+        if r.left_to_client is not None:
+            return r
+        why = []
+        # (a cause the ledger's writer already named, in the same words, is not named twice)
+        if r.output_token_ids and (prior := priors_reason(r.sampling, worker)) and prior not in r.reasons:
+            why.append(prior)
+        if (
+            worker.speculative
+            and speculation_changes(worker.speculative, r.sampling)
+            and not any(_SPECULATIVE_CAUSE in x for x in r.reasons)
+        ):
+            why.append(speculative_reason(worker.speculative))
+        if not why:
+            return r
+        return dataclasses.replace(r, exact=False, reasons=(*r.reasons, *(f"on this worker: {w}" for w in why)))
+
+    return [on_worker(r) for r in requests]
 
 
 def seeded_sampling(sampling: Mapping[str, Any]) -> bool:

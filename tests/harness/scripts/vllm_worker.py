@@ -294,6 +294,7 @@ def main() -> None:
         # how the stored pages' head slots map to the ranks that wrote them
         res["page_heads"] = m.layout.get("page_heads")
         res["shards"] = [s["kv_heads"] for s in m.layout.get("shards") or ()]
+        res["namespace_kv"] = m.namespace.get("kv")
         res["ledger_inexact"] = {e["client_request_id"]: e["inexact_reasons"] for e in m.ledger.data["requests"]}
         res["ledger_generators"] = [
             e["client_request_id"] for e in m.ledger.data["requests"] if e.get("generator_state")
