@@ -110,7 +110,8 @@ def test_the_checkpoint_returns_its_stats_and_the_restore_decision_serializes_on
         assert d.reasons == []
         assert d.blocks == fake.pages
         j = d.to_json()
-        assert set(j) == {"checkpoint", "warm", "reasons", "requests", "blocks", "results"}
+        assert set(j) == {"checkpoint", "warm", "reasons", "requests", "blocks", "inexact", "results"}
+        assert j["inexact"] == {}  # the fake's ledger holds no request
         assert {"rule", "verdict", "checkpoint", "here", "detail", "ignored", "refuses"} <= set(j["results"][0])
         # the agent's API answers the same document
         from agent.daemon.api import restore_plan
