@@ -14,7 +14,8 @@ import json
 import os
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from agent.testing import SglangProcess
 from ckpt import Repository
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT
+from tests.harness.waiting import wait_for
 
 STANDIN = ROOT / "tests" / "sglang" / "standin"
 #: The flags every test server shares (the reference runs use the same).
@@ -94,6 +96,35 @@ class Servers:
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
+@contextlib.contextmanager
+def arriving_together(server: SglangProcess, rids: Sequence[str]) -> Iterator[None]:
+    """The calls ``rids``, sent inside the block, reach ``server``'s scheduler together.
+
+    A checkpoint taken once several calls decode at once must not race them: started one by one
+    on a busy host, the first could spend its whole budget before the last arrived, and the
+    condition would never hold. So the server holds new calls (SGLang's ``/pause_generation``,
+    in place), each call is seen received (its rid in the server's request log, JSON), and
+    ``/continue_generation`` lets them all go."""
+    post = partial(_post, server.url)
+    post("/configure_logging", {"log_requests": True, "log_requests_format": "json"})
+    post("/pause_generation", {"mode": "in_place"})
+    try:
+        yield
+        wait_for(lambda: all(received(server.log_path, r) for r in rids), 120, f"calls {list(rids)} reach the server")
+    finally:
+        post("/continue_generation", {})
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> None:
+    httpx.post(url + path, json=body, timeout=60).raise_for_status()
+
+
+def received(log_path: str, rid: str) -> bool:
+    """Whether the server's request log (JSON) has received the call ``rid``."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        return any('"request.received"' in line and f'"rid": "{rid}"' in line for line in f)
+
+
 def checkpoint_in_flight(
     server: SglangProcess,
     requests: dict[str, tuple[list[int], int]],
@@ -114,10 +145,11 @@ def checkpoint_in_flight(
             server.client.complete(prompt, {**GREEDY, "max_new_tokens": n}, rid=rid)
 
     def start() -> None:
-        for rid, (prompt, n) in requests.items():
-            t = threading.Thread(target=run, args=(rid, prompt, n), name=f"client-{rid}")
-            t.start()
-            threads.append(t)
+        with arriving_together(server, list(requests)):
+            for rid, (prompt, n) in requests.items():
+                t = threading.Thread(target=run, args=(rid, prompt, n), name=f"client-{rid}")
+                t.start()
+                threads.append(t)
 
     taken = session.checkpoint_around(
         server.control_socket, start, repo, worker, when=when, timeout=300, generate=server.client.generate

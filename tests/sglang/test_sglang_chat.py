@@ -31,7 +31,7 @@ from agent import session
 from agent.testing import SglangProcess
 from ckpt import Repository
 from tests.harness.models import write_tiny_llama_text
-from tests.harness.sglang import GREEDY, Servers
+from tests.harness.sglang import GREEDY, Servers, arriving_together
 
 PAGE = 16
 N = 90
@@ -106,10 +106,11 @@ def run(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
             ask(a.url, name)
 
     def start() -> None:
-        for name in CALLS:
-            t = threading.Thread(target=client, args=(name,), name=f"client-{name}")
-            t.start()
-            threads.append(t)
+        with arriving_together(a, list(CALLS)):  # all three decoding at once, on a busy host too
+            for name in CALLS:
+                t = threading.Thread(target=client, args=(name,), name=f"client-{name}")
+                t.start()
+                threads.append(t)
 
     taken = session.checkpoint_around(
         a.control_socket, start, repo, "sglang-chat", when=WHEN, timeout=300, generate=a.client.generate
