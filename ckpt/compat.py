@@ -28,7 +28,7 @@ from enum import StrEnum
 from typing import Any, Final
 
 from ckpt.errors import ConfigError, IncompatibleCheckpoint
-from ckpt.pins import FactValue, HostFacts, Pins, WorkerFacts
+from ckpt.pins import ABSENT, FactValue, HostFacts, Pins, WorkerFacts
 
 __all__ = [
     "rule_json",
@@ -121,13 +121,16 @@ class Rule:
     """A named compatibility rule.
 
     ``extract`` reads the fact from a :class:`~ckpt.pins.Pins`; ``compare``
-    judges the recorded value against the current one.
+    judges the recorded value against the current one. ``scope``, where set, says why the fact
+    does not bear on the bytes for this pair of pins (``None``: it does): the fact is then
+    recorded, not compared (MATCH, with that reason as the detail).
     """
 
     name: str
     description: str
     extract: Callable[[Pins], FactValue]
     compare: Comparator = equality
+    scope: Callable[[Pins, Pins], str | None] | None = None
 
     def evaluate(self, recorded: Pins, current: Pins) -> RuleResult:
         """Run the rule. A rule that raises gives UNKNOWN (which refuses by default)."""
@@ -136,6 +139,8 @@ class Rule:
         try:
             old = self.extract(recorded)
             new = self.extract(current)
+            if self.scope is not None and (why := self.scope(recorded, current)) is not None:
+                return RuleResult(self.name, Verdict.MATCH, old, new, f"recorded, not compared: {why}")
             verdict, detail = self.compare(old, new)
         except Exception as exc:
             log.warning("compatibility rule %s failed", self.name, exc_info=True)
@@ -175,11 +180,18 @@ def _worker(name: str) -> Callable[[Pins], FactValue]:
 _HOST_RULES: Final[Mapping[str, str]] = {
     "gpu_product": "GPU product: kernels and KV page layout are tuned per GPU.",
     "gpu_compute_capability": "GPU compute capability: kernels and fp8 formats depend on it.",
-    "gpu_count": "Number of GPUs on the host.",
+    "gpu_count": (
+        "Number of GPUs on the host. Recorded, not compared: a page does not depend on how many GPUs "
+        "the node has (fleets mix 1-, 4- and 8-GPU nodes), and the worker's own GPUs are its "
+        "tensor-parallel size, which reshards."
+    ),
     "driver_version": "NVIDIA kernel driver version.",
     "cuda_driver_version": "CUDA version the driver supports.",
     "cuda_runtime_version": "CUDA runtime of the engine's torch.",
-    "cpu_isa": "CPU instruction-set level: the CPU backend's page format depends on it.",
+    "cpu_isa": (
+        "CPU instruction-set level: the CPU backend's page format depends on it. Compared for CPU "
+        "workers only: a GPU worker's pages and sampler state do not depend on its host's CPU."
+    ),
     "cpu_arch": "CPU architecture.",
     "torch_version": "torch version.",
 }
@@ -256,15 +268,43 @@ def _state_tp(group: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-for _name, _description in _HOST_RULES.items():
-    register(Rule(_name, _description, _host(_name)))
-
-
 def recorded_only(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
     """For facts kept for the record that a restore adapts to (tensor-parallel size and rank)."""
     if recorded == current:
         return Verdict.MATCH, ""
     return Verdict.MATCH, "differs; pages are resharded on restore"
+
+
+def host_gpu_count(recorded: FactValue, current: FactValue) -> tuple[Verdict, str]:
+    """The host's GPU count is kept for the record: a node's shape is not the worker's."""
+    if recorded == current:
+        return Verdict.MATCH, ""
+    return Verdict.MATCH, "differs; recorded, not compared: the worker's pages do not depend on the node's GPU count"
+
+
+def _gpu_worker(pins: Pins) -> bool:
+    """Whether the pins are a GPU worker's: a GPU on the host and a CUDA build of torch."""
+    h = pins.host
+    return all(v not in (None, ABSENT) for v in (h.gpu_product, h.cuda_runtime_version))
+
+
+def gpu_workers(recorded: Pins, current: Pins) -> str | None:
+    """Why the host CPU does not bear on the bytes: both sides are GPU workers (``None``: it does)."""
+    if _gpu_worker(recorded) and _gpu_worker(current):
+        return "GPU workers on both sides; their pages do not depend on the host CPU"
+    return None
+
+
+for _name, _description in _HOST_RULES.items():
+    register(
+        Rule(
+            _name,
+            _description,
+            _host(_name),
+            host_gpu_count if _name == "gpu_count" else equality,
+            gpu_workers if _name == "cpu_isa" else None,
+        )
+    )
 
 
 _RECORDED_ONLY: Final = frozenset({"tensor_parallel_size", "rank"})

@@ -8,7 +8,6 @@ agent, straight against a worker's connector socket; ``launch`` starts a
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from rich.table import Table
 import ckpt
 from agent import engines, fs
 from agent.daemon import config as config_mod
+from agent.daemon import watchdog
 from ckpt.logfmt import JsonFormatter, TextFormatter
 from cli import exitcodes
 from cli._common import console, kv_table, open_repo, repo_url, safe, settings, show
@@ -378,20 +378,6 @@ def _has_checkpoint(ctx: typer.Context, repo: str | None, key: str | None, worke
         return False
 
 
-def _die_with(parent: int) -> Any:
-    """A ``preexec_fn``: the worker gets SIGTERM when ``launch`` dies, by any signal, SIGKILL included
-    (Linux's parent-death signal; the engine then shuts its own children down), so a supervisor that
-    dies never leaves a worker serving, holding the GPU and the port, with no agent beside it."""
-
-    def arm() -> None:
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # launch died before the signal was armed
-            os._exit(1)
-
-    return arm if sys.platform.startswith("linux") else None
-
-
 def launch_cmd(
     ctx: typer.Context,
     command: Annotated[
@@ -461,8 +447,13 @@ def launch_cmd(
     typer.echo(f"gpuckpt: agent socket {cfg.api.socket} (export {AGENT_ENV}={cfg.api.socket})", err=True)
     # the worker gets the environment without what only the agent needs (the key, the bucket's credentials)
     worker = subprocess.Popen(
-        argv, start_new_session=True, env=worker_environment(os.environ, cfg.key), preexec_fn=_die_with(os.getpid())
+        argv,
+        start_new_session=True,
+        env=worker_environment(os.environ, cfg.key),
+        preexec_fn=watchdog.die_with(os.getpid()),
     )
+    # the second line: whatever kills launch, the worker's group is gone within GRACE_S of it
+    guard = watchdog.start(worker.pid)
     agent = agent_mod.Agent(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -484,6 +475,9 @@ def launch_cmd(
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
+        if guard is not None:
+            guard.terminate()
+            guard.wait()
     raise typer.Exit(code)
 
 

@@ -61,7 +61,10 @@ STR_RULES = [r for r in ALL_RULES if r not in INT_FIELDS]
 # Recorded for the record, never a reason to refuse: stored pages hold every
 # KV head and are resharded into the restoring worker's TP size.
 RECORDED_ONLY = ["tensor_parallel_size", "rank"]
-COMPARED_RULES = [r for r in ALL_RULES if r not in RECORDED_ONLY]
+# Facts of the node, not of the bytes, between two GPU workers (BASE is one): the node's GPU count
+# and its CPU generation. cpu_isa is compared for CPU workers (test_cpu_isa_is_compared_for_cpu_workers).
+NOT_COMPARED_ON_GPU = ["gpu_count", "cpu_isa"]
+COMPARED_RULES = [r for r in ALL_RULES if r not in RECORDED_ONLY + NOT_COMPARED_ON_GPU]
 # A missing kv_groups is one full-attention group (every checkpoint before hybrid groups), not unknown.
 DEFAULTED = ["kv_groups"]
 
@@ -193,7 +196,7 @@ def test_absent_on_both_sides_matches(rule: str) -> None:
     assert result_of(rule, pins(**{rule: ABSENT}), pins(**{rule: ABSENT})).verdict is Verdict.MATCH
 
 
-@pytest.mark.parametrize("rule", STR_RULES)
+@pytest.mark.parametrize("rule", [r for r in STR_RULES if r not in NOT_COMPARED_ON_GPU])
 def test_absent_against_a_value_is_a_mismatch(rule: str) -> None:
     assert result_of(rule, pins(**{rule: ABSENT}), pins()).verdict is Verdict.MISMATCH
     assert result_of(rule, pins(), pins(**{rule: ABSENT})).verdict is Verdict.MISMATCH
@@ -333,8 +336,80 @@ def test_cpu_host_restores_onto_cpu_host_and_not_onto_gpu_host() -> None:
     }
     assert decide(pins(**cpu), pins(**cpu)).warm
     refused = decide(pins(**cpu), pins())
-    assert "gpu_count: mismatch (checkpoint 0, here 8)" in refused.reasons
+    assert "cuda_runtime_version: mismatch (checkpoint absent, here 12.1)" in refused.reasons
     assert "gpu_product: mismatch (checkpoint absent, here NVIDIA H100 80GB HBM3)" in (refused.reasons)
+    assert not [r for r in refused.reasons if r.startswith("gpu_count")]
+
+
+CPU_HOST: dict[str, Any] = {
+    "gpu_product": ABSENT,
+    "gpu_compute_capability": ABSENT,
+    "gpu_count": 0,
+    "driver_version": ABSENT,
+    "cuda_driver_version": ABSENT,
+    "cuda_runtime_version": ABSENT,
+    "torch_version": "2.13.0+cpu",
+}
+
+
+def test_cpu_isa_is_compared_for_cpu_workers() -> None:
+    """The CPU backend's pages depend on the ISA: a CPU worker's checkpoint never loads on another."""
+    d = decide(pins(**CPU_HOST, cpu_isa="avx512"), pins(**CPU_HOST, cpu_isa="avx2"))
+    assert d.reasons == ["cpu_isa: mismatch (checkpoint avx512, here avx2)"]
+    # a CPU worker's checkpoint onto a GPU host: refused on the GPU facts, the ISA compared too
+    d = decide(pins(**CPU_HOST, cpu_isa="avx512"), pins(cpu_isa="avx2"))
+    assert "cpu_isa: mismatch (checkpoint avx512, here avx2)" in d.reasons
+
+
+# --- GPU fleets: what differs between ordinary nodes refuses nothing ---------------------------
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def gpu_pins(product: str = H100, *, gpus: int, tp: int, isa: str) -> Pins:
+    return pins(gpu_product=product, gpu_count=gpus, tensor_parallel_size=tp, cpu_isa=isa, rank=0)
+
+
+@pytest.mark.parametrize("gpus", [(8, 1), (1, 8), (8, 4), (2, 1), (4, 2)])
+@pytest.mark.parametrize("tp", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("isa", [("avx512", "avx512"), ("avx512", "avx2"), ("avx2", "avx512+amx")])
+def test_a_gpu_worker_restores_warm_across_node_shapes_tp_sizes_and_cpu_generations(
+    gpus: tuple[int, int], tp: tuple[int, int], isa: tuple[str, str]
+) -> None:
+    """A TP=2 pod's checkpoint into a 1-GPU pod at TP=1, a worker moved from an 8-GPU node to a
+    4-GPU node, a node of another CPU generation: the same GPU product, engine and model restore
+    warm; the node facts are recorded with why they were not compared."""
+    old = gpu_pins(gpus=gpus[0], tp=tp[0], isa=isa[0])
+    new = gpu_pins(gpus=gpus[1], tp=tp[1], isa=isa[1])
+    d = decide(old, new)
+    assert d.warm, d.reasons
+    by_rule = {r.rule: r for r in d.results}
+    assert (by_rule["gpu_count"].recorded, by_rule["gpu_count"].current) == gpus
+    if gpus[0] != gpus[1]:
+        assert "not compared" in by_rule["gpu_count"].detail
+    assert by_rule["cpu_isa"].verdict is Verdict.MATCH
+    assert "GPU workers on both sides" in by_rule["cpu_isa"].detail
+
+
+@pytest.mark.parametrize(
+    ("change", "rule"),
+    [
+        ({"gpu_product": H200}, "gpu_product"),
+        ({"gpu_compute_capability": "10.0"}, "gpu_compute_capability"),
+        ({"kv_dtype": "fp8_e4m3"}, "kv_dtype"),
+        ({"engine_version": "0.7.0"}, "engine_version"),
+        ({"model_digest": "sha256:" + "c" * 64}, "model_digest"),
+        ({"tokenizer_digest": "sha256:" + "d" * 64}, "tokenizer_digest"),
+        ({"kv_layout": "[other]"}, "kv_layout"),
+    ],
+)
+def test_what_changes_a_gpu_pages_meaning_still_refuses(change: dict[str, Any], rule: str) -> None:
+    d = decide(
+        gpu_pins(gpus=8, tp=2, isa="avx512"),
+        pins(**{**BASE, "gpu_count": 1, "tensor_parallel_size": 1, "cpu_isa": "avx2", **change}),
+    )
+    assert not d.warm
+    assert [r.split(":")[0] for r in d.reasons] == [rule]
 
 
 # --- extending the registry ---------------------------------------------------

@@ -11,8 +11,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from agent.engines.vllm.continuations import Book, body_digest, not_attachable, parse_id
-from agent.engines.vllm.ledger import API_XARG, api_facts, resubmitted_id
+from agent.engines.vllm.ledger import API_XARG, VOID_PARAM, api_facts, resubmitted_id
 from agent.engines.vllm.middleware import ATTACH_HEADER, RESUBMIT_HEADER, TOKEN_HEADER, GpuckptMiddleware, token_path
 
 
@@ -196,3 +198,119 @@ def test_the_agent_renews_the_retry_hold_while_it_restores_and_expect_ends_it() 
         assert fresh._server.hold_until == 0.0
 
     asyncio.run(scenario())
+
+
+def test_a_voided_continuation_is_never_served_and_its_retries_are_served_anew() -> None:
+    """The connector could not apply a restored request's carried state (its grammar rejected the
+    earlier outputs): the engine request ends at once with ``VOID_PARAM`` in its
+    ``kv_transfer_params``. Its last token is never kept, a retry already attached raises vLLM's
+    retryable error (a stream cut the ``openai`` client raises on, or a 503) after the
+    checkpoint's own tokens, and a later retry is served anew, saying why."""
+    RetryableRequestError = pytest.importorskip("vllm.exceptions").RetryableRequestError
+    RequestOutputKind = pytest.importorskip("vllm.sampling_params").RequestOutputKind
+    from agent.engines.vllm import middleware as mwmod
+
+    why = "its grammar could not be applied to the earlier outputs (the grammar rejects them)"
+
+    async def scenario() -> tuple[Book, list[Any], BaseException | None, list[Any]]:
+        book = Book()
+        api = {"endpoint": "chat", "body": body_digest({"messages": ["x"]}), "tenant": "", "n": 1}
+
+        class Engine:
+            renderer = SimpleNamespace(tokenizer=None)
+
+            def generate(self, prompt: Any, sp: Any, rid: str, *a: Any, **kw: Any) -> Any:
+                async def outs() -> Any:
+                    await asyncio.sleep(0.05)  # the attached retry is streaming by now
+                    out = SimpleNamespace(token_ids=[99], finish_reason="length", stop_reason=None)
+                    yield SimpleNamespace(outputs=[out], kv_transfer_params={VOID_PARAM: why})
+
+                return outs()
+
+        wrapped = mwmod._Wrapped(Engine(), book)
+        sp = SimpleNamespace(output_kind=RequestOutputKind.DELTA, n=1)
+        token = mwmod._CTX.set(mwmod._Call("resubmit", cid="chatcmpl-v", api=api, prompt_len=2))
+        try:
+            gen = wrapped.generate({"prompt_token_ids": [1, 2, 3, 4]}, sp, "chatcmpl-v")
+        finally:
+            mwmod._CTX.reset(token)
+        cont = book.get("v", "chat")
+        assert cont is not None
+        served: list[Any] = []
+        err: BaseException | None = None
+
+        async def attached() -> None:
+            nonlocal err
+            try:
+                async for ro in wrapped._replay(mwmod._Call("attach", cont=cont), sp, "chatcmpl-retry"):
+                    served.extend(ro.outputs)
+            except RetryableRequestError as exc:
+                err = exc
+
+        retry = asyncio.create_task(attached())
+        agent_saw = [ro async for ro in gen]
+        await retry
+        return book, served, err, agent_saw
+
+    book, served, err, agent_saw = asyncio.run(scenario())
+    # the checkpoint's own tokens (the uninterrupted run's) were served, nothing of the void run
+    assert [t for o in served for t in o.token_ids] == [3, 4]
+    assert all(o.finish_reason is None for o in served), "a void continuation never finishes an answer"
+    assert isinstance(err, RetryableRequestError)
+    assert why in str(err)
+    assert book.get("v", "chat") is None
+    assert book.left[("v", "chat")] == why
+    assert book.counts["voided"] == 1
+    assert len(agent_saw) == 1  # the agent's resubmission still gets its (reported) response
+
+    mw = GpuckptMiddleware(None)
+    _run_app(mw, {"messages": []}, {})
+    assert mw._server is not None
+    mw._server.book.left.update(book.left)
+    _, got, _ = _run_app(mw, {"messages": ["x"]}, {"X-Request-Id": "v"})
+    assert got["headers"][ATTACH_HEADER] == f"new: {why}"
+
+
+def test_a_request_the_engine_ended_reaches_its_client_as_an_error_it_retries_never_as_an_answer() -> None:
+    """vLLM ends every request in flight with ``finish_reason: "abort"`` when its server shuts
+    down (``launch`` killed, SIGTERM): the ``openai`` client took that for a finished answer.
+    Through the middleware the end is vLLM's retryable error instead (a 503, or an error event in
+    a stream), after the tokens the request had; an answer that finishes is untouched, and the
+    engine's generator is closed either way."""
+    RetryableRequestError = pytest.importorskip("vllm.exceptions").RetryableRequestError
+    from agent.engines.vllm import middleware as mwmod
+
+    closed: list[str] = []
+
+    def engine(finish: str) -> Any:
+        class Engine:
+            def generate(self, prompt: Any, sp: Any, rid: str, *a: Any, **kw: Any) -> Any:
+                async def outs() -> Any:
+                    try:
+                        for i, f in enumerate((None, None, finish)):
+                            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[i], finish_reason=f)])
+                    finally:
+                        closed.append(rid)
+
+                return outs()
+
+        return Engine()
+
+    async def serve(finish: str) -> tuple[list[Any], BaseException | None]:
+        wrapped = mwmod._Wrapped(engine(finish), Book())
+        got: list[Any] = []
+        try:
+            async for ro in wrapped.generate({"prompt_token_ids": [1]}, SimpleNamespace(), f"r-{finish}"):
+                got.append(ro)
+        except RetryableRequestError as exc:
+            return got, exc
+        return got, None
+
+    got, err = asyncio.run(serve("abort"))
+    assert len(got) == 2, "the tokens before the end were served, the end was not"
+    assert err is not None
+    assert "retry" in str(err)
+    got, err = asyncio.run(serve("length"))
+    assert err is None
+    assert [ro.outputs[0].finish_reason for ro in got] == [None, None, "length"]
+    assert closed == ["r-abort", "r-length"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,13 +15,16 @@ from agent.engines.base import token_digest
 from agent.engines.vllm.ledger import (
     SYNTHETIC,
     RunnerFacts,
+    grammar_settings,
     inexact_reasons,
     judged_on,
     make_ledger,
+    request_entry,
     resubmissions,
     speculative_method,
     speculative_reason,
 )
+from ckpt import Ledger
 
 
 def entry(**kw: Any) -> dict[str, Any]:
@@ -133,6 +137,98 @@ def test_resubmissions_carry_budget_constraint_and_judgement() -> None:
     assert a.exact
     assert not b.exact
     assert "odd" in b.reasons[0]
+
+
+XGRAMMAR_COMPACT = {
+    "backend": "xgrammar",
+    "disable_any_whitespace": True,
+    "disable_additional_properties": False,
+    "reasoning_parser": "",
+    "enable_in_reasoning": False,
+}
+
+
+def live_request(schema: dict[str, Any]) -> Any:
+    """A live engine request with a JSON-schema constraint, as the scheduler half sees it."""
+    so = SimpleNamespace(json=schema, regex=None, choice=None, grammar=None, json_object=None, _backend="xgrammar")
+    sp = SimpleNamespace(structured_outputs=so, temperature=0.0, max_tokens=10, min_tokens=0, extra_args=None)
+    return SimpleNamespace(
+        request_id="chatcmpl-j-12345678",
+        sampling_params=sp,
+        output_token_ids=[4, 5],
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=10,
+        cache_salt=None,
+        lora_request=None,
+        priority=0,
+        arrival_time=0.0,
+        prompt_embeds=None,
+        mm_features=None,
+    )
+
+
+def test_the_ledger_keeps_a_schema_as_the_text_the_engine_compiled_and_its_settings() -> None:
+    """A schema's property order is the order its grammar generates: the ledger keeps the text
+    vLLM compiled (its manifest's canonical JSON would sort a dict's keys, and a sorted schema
+    rejects the earlier outputs), and the server's settings every grammar was compiled under."""
+    schema = {"type": "object", "properties": {"words": {"type": "array"}, "kind": {"type": "string"}}}
+    runner = RunnerFacts(grammar=XGRAMMAR_COMPACT)
+    e = request_entry(live_request(schema), 4, runner)
+    assert (
+        e["structured_outputs"]["json"]
+        == '{"type": "object", "properties": {"words": {"type": "array"}, "kind": {"type": "string"}}}'
+    )
+    assert e["structured_outputs"]["settings"] == XGRAMMAR_COMPACT
+    led = make_ledger([e], step=1, block_size=32)
+    # through the manifest's canonical JSON and back: the text (and so the order) survives
+    back = Ledger.model_validate(json.loads(json.dumps(led.model_dump(by_alias=True), sort_keys=True)))
+    (r,) = resubmissions(back)
+    assert r.sampling["structured_outputs"] == {"json": e["structured_outputs"]["json"]}
+    assert r.needs == {"grammar": XGRAMMAR_COMPACT, "backend": "xgrammar"}
+    assert grammar_settings(SimpleNamespace(structured_outputs_config=SimpleNamespace(**XGRAMMAR_COMPACT))) == (
+        XGRAMMAR_COMPACT
+    )
+
+
+@pytest.mark.parametrize(
+    ("worker", "why"),
+    [
+        ({**XGRAMMAR_COMPACT, "disable_any_whitespace": False}, "disable_any_whitespace True here False"),
+        ({**XGRAMMAR_COMPACT, "backend": "guidance"}, "backend 'xgrammar' is not the restoring worker's"),
+        (None, "does not say its structured-output settings"),
+    ],
+)
+def test_a_grammar_the_restoring_worker_would_compile_otherwise_is_left_to_its_client(
+    worker: dict[str, Any] | None, why: str
+) -> None:
+    """Its continuation would run under another grammar: the request is not resubmitted, and its
+    client's retry is computed anew (the same worker, or one with backend "auto", continues it)."""
+    so = {"json": '{"type": "array"}', "backend": "xgrammar", "settings": XGRAMMAR_COMPACT}
+    led = make_ledger([entry(structured_outputs=so), entry(client_request_id="plain")], step=1, block_size=32)
+    reqs = resubmissions(led)
+    assert judged_on(reqs, {"structured_outputs": XGRAMMAR_COMPACT}) == reqs
+    assert judged_on(reqs, {"structured_outputs": {**XGRAMMAR_COMPACT, "backend": "auto"}}) == reqs
+    left, plain = judged_on(reqs, {"structured_outputs": worker})
+    assert left.left_to_client is not None, left
+    assert why in left.left_to_client, left
+    assert left.reasons == (f"left to its client: {left.left_to_client}",)
+    assert plain == reqs[1]
+
+
+def test_a_structured_entry_of_an_older_ledger_is_left_to_its_client_unless_it_has_no_outputs() -> None:
+    """Written before the settings were recorded (its schema's keys sorted besides): which grammar
+    the original ran under is not known, so no continuation is run under a guess; a request with
+    no outputs yet starts its grammar afresh and needs nothing of the worker."""
+    so = {"json": {"type": "array"}, "backend": "xgrammar"}
+    led = make_ledger(
+        [entry(structured_outputs=so), entry(client_request_id="fresh", output_token_ids=[], structured_outputs=so)],
+        step=1,
+        block_size=32,
+    )
+    old, fresh = judged_on(resubmissions(led), {"structured_outputs": XGRAMMAR_COMPACT})
+    assert old.left_to_client == "its grammar's settings are not in the ledger (written by an older gpuckpt)"
+    assert fresh.left_to_client is None
+    assert fresh.needs is None
 
 
 def test_heads_of_each_rank() -> None:

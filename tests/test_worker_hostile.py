@@ -69,6 +69,45 @@ def test_a_fifo_in_a_page_files_place_is_refused_at_once(stage: Path) -> None:
     assert "not a regular file" in str(got[0])
 
 
+@pytest.mark.parametrize("planted", ["fifo", "symlink", "file"])
+def test_a_page_writer_never_opens_what_stands_under_its_file_names(stage: Path, planted: str) -> None:
+    """Another account plants a FIFO (or a symlink, or a file) under the next restore page file's
+    names in the shared staging directory: the writer creates its own files in their place at
+    once — never blocking on the FIFO, never writing through the link — and the pages round-trip."""
+    outside = stage.parent / f"outside-{planted}"
+    outside.write_bytes(b"keep")
+    for path in (stage / "rst-1.bin", stage / ".rst-1.json.tmp"):
+        if planted == "fifo":
+            os.mkfifo(path, 0o600)
+        elif planted == "symlink":
+            path.symlink_to(outside)
+        else:
+            path.write_bytes(b"stale")
+    got: list[BaseException | staging.PageIndex] = []
+
+    def write() -> None:
+        try:
+            w = staging.PageWriter(stage, "rst-1", dtype="uint8", page_shape=(64,), layers=("l0",))
+            w.write(bytes([1]) * 8, bytes([7]) * 64)
+            got.append(w.commit())
+        except BaseException as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "a planted FIFO blocked the writer"
+    assert isinstance(got[0], staging.PageIndex), got[0]
+    assert outside.read_bytes() == b"keep"
+    assert (stage / "rst-1.bin").read_bytes() == bytes([7]) * 64
+    assert not (stage / "rst-1.bin").is_symlink()
+    pf = staging.PageFile(stage / "rst-1.json", directory=stage, mapped=False)
+    try:
+        assert bytes(pf.page(bytes([1]) * 8)) == bytes([7]) * 64
+    finally:
+        pf.close()
+
+
 def test_a_declared_gigabyte_page_over_a_sparse_file_is_refused_before_allocating(stage: Path) -> None:
     idx = stage / "cap-3.json"
     doc = {

@@ -132,9 +132,20 @@ class PageIndex:
 
 
 def _open_private(path: Path, shared: bool = False) -> BinaryIO:
-    """A new file only this user (``shared``: and the group, read-only) can read; an existing
-    symlink in its place is refused, not followed."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """A new file only this user (``shared``: and the group, read-only) can read. It is always a
+    file this call created (``O_EXCL``, never blocking): whatever stood under its name — a file a
+    killed process left, a symlink, a FIFO another account planted in a shared staging directory,
+    which an ordinary open would block on forever — is removed first, never opened or followed;
+    if it cannot be, the error names the path."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        try:
+            os.unlink(path)
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise OSError(exc.errno, f"a staging file's name is taken and cannot be freed: {exc}", str(path)) from exc
     try:
         os.fchmod(fd, 0o640 if shared else 0o600)  # whatever the umask, whatever was there
     except BaseException:

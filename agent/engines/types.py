@@ -265,6 +265,10 @@ class Resubmission:
     #: not to be resubmitted at all: the ledger could not carry its input (prompt embeddings,
     #: images; why). Its client's retry sends the whole input again and is served as new.
     left_to_client: str | None = None
+    #: what the continuation needs of the restoring worker beyond its tokens, in its engine's words
+    #: (vLLM: ``{"grammar": the structured-output settings its grammar was compiled under}``), which
+    #: the engine's ``judged_on`` holds against the worker's layout; never sent to the worker
+    needs: dict[str, Any] | None = None
 
     @classmethod
     def left(cls, request_id: str, why: str, api: dict[str, Any] | None = None) -> Resubmission:

@@ -14,13 +14,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from agent.engines.serving import Completion
 from agent.engines.types import RestorePlan, Resubmission, ServingClient, token_digest
 from agent.session.worker import WorkerLike, channel_of
-
-if TYPE_CHECKING:
-    from agent.engines.serving import Completion
 
 __all__ = ["Continuation", "Restored", "Resubmitted", "resubmit", "unapplied_states"]
 
@@ -99,23 +97,27 @@ class Resubmitted:
         }
 
 
-def unapplied_states(worker: WorkerLike) -> dict[str, list[str]]:
-    """The worker's word on carried states no request claimed (by ledger id), and states it failed
-    to apply; empty when the worker cannot say (it may be gone: nothing to add, and that is logged)."""
+def unapplied_states(worker: WorkerLike) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The worker's word on the carried states, by ledger id: those no request claimed (it
+    replayed cold) and, apart, those it could not apply — whose continuation it voided, so that no
+    client is served a continuation that ignored them (their retries are served anew: left to
+    their clients). Empty when the worker cannot say (it may be gone: nothing to add, and that is
+    logged)."""
     try:
         st = channel_of(worker).stats()
     except Exception as exc:
         log.warning("could not ask the worker which request states were applied", extra={"error": str(exc)})
-        return {}
+        return {}, {}
     out: dict[str, list[str]] = {}
     for cid in st.get("states_waiting") or ():
         why = (st.get("states_refused") or {}).get(cid)
         out[cid] = [f"its carried state was never applied{f' ({why})' if why else ''}: replayed cold"]
+    voided = {str(k): str(v) for k, v in (st.get("states_voided") or {}).items()}
     for cid, applied in (st.get("states_applied") or {}).items():
         for a in applied:
-            if "failed" in str(a):
+            if "failed" in str(a) and cid not in voided:
                 out.setdefault(cid, []).append(f"{a}: replayed cold")
-    return out
+    return out, voided
 
 
 def resubmit(
@@ -130,13 +132,17 @@ def resubmit(
     ``stream``: whether the server streams each answer back (None: the
     client's default); the daemon asks for one response per request (nobody
     watches its streams: the clients' retries do). With ``worker``, a request
-    whose carried state the worker never applied (or failed to) is reported
-    a cold replay (:func:`unapplied_states`). The client's errors propagate.
+    whose carried state the worker never applied is reported a cold replay, and one whose state
+    it could not apply is left to its client, the continuation dropped
+    (:func:`unapplied_states`). The client's errors propagate.
     """
-    outs = client.submit(requests) if stream is None else client.submit(requests, stream=stream)
-    unapplied = unapplied_states(worker) if worker is not None else {}
+    outs = dict(client.submit(requests) if stream is None else client.submit(requests, stream=stream))
+    unapplied, voided = unapplied_states(worker) if worker is not None else ({}, {})
+    for rid, why in voided.items():
+        if rid in outs:  # the continuation was dropped: its client's retry computes the request anew
+            outs[rid] = Completion(rid, left_to_client=f"its continuation was dropped: {why}")
     conts = tuple(Continuation(r, outs[r.request_id], (*r.reasons, *unapplied.get(r.request_id, []))) for r in requests)
-    return Resubmitted(conts, dict(outs))
+    return Resubmitted(conts, outs)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1
     """One API call as a client makes it, with the ``openai`` client: chat or completions, streamed
     or not as ``body`` says; vLLM's own fields (``return_token_ids``, ``ignore_eos``,
     ``structured_outputs``, ``prompt_embeds``, …) go in ``extra_body``, as vLLM's docs tell its
-    users. Returns the choices' text and token ids, finish reasons, and gpuckpt's attach header."""
+    users. Returns the choices' text, tool calls' arguments and token ids, finish reasons, and
+    gpuckpt's attach header."""
     client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
     rest = dict(body)
     stream = bool(rest.pop("stream", False))
@@ -33,9 +34,10 @@ def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1
         kw["prompt"] = rest.pop("prompt", omit)  # omitted: a prompt given as embeddings (extra_body)
     out: dict[str, Any] = {"choices": {}}
 
-    def take(ch: Any, text: str | None) -> None:
-        c = out["choices"].setdefault(ch.index, {"text": "", "ids": [], "finish": None})
+    def take(ch: Any, text: str | None, tool_calls: Any = None) -> None:
+        c = out["choices"].setdefault(ch.index, {"text": "", "ids": [], "finish": None, "tools": ""})
         c["text"] += text or ""
+        c["tools"] += "".join((t.function.arguments or "") for t in tool_calls or () if t.function)
         c["ids"] += getattr(ch, "token_ids", None) or []  # vLLM's field, beside the API's
         c["finish"] = ch.finish_reason or c["finish"]
 
@@ -48,9 +50,9 @@ def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1
                 if endpoint != "chat":
                     take(ch, ch.text)
                 elif stream:
-                    take(ch, ch.delta.content)
+                    take(ch, ch.delta.content, ch.delta.tool_calls)
                 else:
-                    take(ch, ch.message.content)
+                    take(ch, ch.message.content, ch.message.tool_calls)
     return out
 
 

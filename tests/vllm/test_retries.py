@@ -18,6 +18,7 @@ checkpoint (warm, canary checked), the agent's path resubmits the ledger, and th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -33,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from agent import session
+from agent.daemon import watchdog
 from agent.engines import canary
 from agent.engines.channel import WorkerChannel
 from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
@@ -46,6 +49,7 @@ from tests.harness.clients import Calls, call, checkpoint_during, generated
 from tests.harness.models import CHAT_TEMPLATE
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
+from tests.harness.procs import running_in_group
 from tests.harness.vllm import ARGS as SERVE_ARGS
 from tests.harness.vllm import ENV, RESTORE_FOLLOWS, serve_worker
 
@@ -59,8 +63,16 @@ ARGS = [
     "--structured-outputs-config",
     json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
     "--enable-prompt-embeds",
+    # a tool parser, as a server taking tool calls has (the generated tokenizer has none of a
+    # model family's special tokens; the pythonic parser needs none)
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "pythonic",
 ]
 N = 160
+# "words" before "kind": the order the grammar generates them in, which a ledger that kept the
+# schema as a dict lost to the manifest's sorted keys (the restored grammar then rejected the
+# earlier outputs: issue 38)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -69,11 +81,26 @@ SCHEMA = {
             "items": {"type": "string", "enum": ["alpha", "beta", "gamma", "delta"]},
             "minItems": 30,
             "maxItems": 30,
-        }
+        },
+        "kind": {"type": "string", "enum": ["x", "yy", "zzz"]},
     },
-    "required": ["words"],
+    "required": ["words", "kind"],
     "additionalProperties": False,
 }
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "description": "pick words",
+        "parameters": {
+            "type": "object",
+            "properties": {"kind": {"type": "string", "enum": ["x", "yy"]}, "words": SCHEMA["properties"]["words"]},
+            "required": ["kind", "words"],
+            "additionalProperties": False,
+        },
+    },
+}
+CHOICES = [" ".join(["alpha beta gamma"] * 12) + end for end in (" delta", " epsilon zeta", " eta")]
 NOEOS = {"ignore_eos": True, "return_token_ids": True}
 
 
@@ -170,7 +197,37 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
             },
             1,
         ),
+        "tool": (
+            "chat",
+            {
+                "messages": chat(17),
+                "temperature": 0.0,
+                "max_tokens": 400,
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "pick"}},
+                "return_token_ids": True,
+                "stream": True,
+            },
+            1,
+        ),
+        "choice": (
+            "completions",
+            {
+                "prompt": words(23),
+                "temperature": 0.0,
+                "max_tokens": 400,
+                "structured_outputs": {"choice": CHOICES},
+                "return_token_ids": True,
+                "stream": True,
+            },
+            1,
+        ),
     }
+
+
+#: the request whose carried grammar state the test makes unappliable: the agent resubmits it
+#: under another constraint, which rejects its earlier outputs
+VOIDED = "regex"
 
 
 def prompt_embeds(rng: random.Random, n: int, hidden: int = 256) -> str:
@@ -228,8 +285,16 @@ def retried(
         )
         out["plan"] = plan
         g0 = generated(b.url)
-        resumer = Calls({"resumed": partial(b.client.submit, plan.requests)})  # the agent's path
-        retries = Calls({k: partial(call, b.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()})
+        # one request's grammar state made unappliable: resubmitted under a constraint that rejects
+        # its earlier outputs, as a ledger whose grammar facts were corrupt would have it
+        requests = [
+            dataclasses.replace(r, sampling={**r.sampling, "structured_outputs": {"regex": "(zeta)+"}})
+            if r.request_id == f"chatcmpl-{VOIDED}"
+            else r
+            for r in plan.requests
+        ]
+        resumer = Calls({"resumed": partial(b.client.submit, requests)})  # the agent's path
+        retries = Calls({k: partial(retrying, b.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()})
         resumer.start()
         retries.start()
         out["retries"], out["resumed"] = retries.join(), resumer.join()["resumed"]
@@ -263,6 +328,15 @@ def retried(
     return out
 
 
+def retrying(url: str, rid: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A client's call as the ``openai`` client's users make it: an error it raises (a stream cut,
+    a 5xx) is retried once with the same id and body; ``first_error`` says what the first try got."""
+    try:
+        return {**call(url, rid, endpoint, body), "first_error": None}
+    except openai.APIError as exc:
+        return {**call(url, rid, endpoint, body), "first_error": str(exc)}
+
+
 #: the retries a restore leaves to be computed anew, and the header that says why
 LEFT = {
     "logprobs": "new: logprobs of the tokens before the checkpoint are not carried",
@@ -283,6 +357,8 @@ def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: d
         "chatcmpl-topp",
         "cmpl-mixed-0",
         "chatcmpl-regex",
+        "chatcmpl-tool",
+        "cmpl-choice-0",
     }
     # the request whose prompt came as embeddings is not among them: its input is not carried,
     # and it is filed apart, without tokens, so that no reader resubmits it on another input
@@ -301,18 +377,45 @@ def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: d
         assert len(e["api"]["body"]) == len(e["api"]["tenant"]) == 64
 
 
+#: what the retry of the request whose grammar state could not be applied is told
+VOID_ATTACH = "new: its grammar could not be applied to the earlier outputs (the grammar rejects the earlier outputs)"
+
+
 def test_each_retry_gets_the_whole_uninterrupted_answer(retried: dict[str, Any]) -> None:
     assert retried["plan"].warm, retried["plan"].reasons
     for k, ref in retried["reference"].items():
         got = retried["retries"][k]
-        assert got["attach"] == LEFT.get(k, "attached"), (k, got["attach"])
+        assert got["attach"] == LEFT.get(k, VOID_ATTACH if k == VOIDED else "attached"), (k, got["attach"])
+        if k != VOIDED:
+            assert got["first_error"] is None, (k, got["first_error"])
         assert got["choices"].keys() == ref["choices"].keys(), k
         for i, c in ref["choices"].items():
             assert got["choices"][i]["ids"] == c["ids"], f"{k} choice {i}: tokens differ from the uninterrupted run"
             assert got["choices"][i]["text"] == c["text"], f"{k} choice {i}: text differs"
+            assert got["choices"][i]["tools"] == c["tools"], f"{k} choice {i}: tool call differs"
             assert got["choices"][i]["finish"] == c["finish"], k
     doc = json.loads(retried["retries"]["json"]["choices"][0]["text"])
     assert len(doc["words"]) == 30
+    assert doc["kind"] in ("x", "yy", "zzz")
+    args = json.loads(retried["retries"]["tool"]["choices"][0]["tools"])
+    assert len(args["words"]) == 30
+    assert retried["retries"]["choice"]["choices"][0]["text"] in CHOICES
+
+
+def test_a_continuation_whose_grammar_could_not_be_applied_never_reaches_a_client(retried: dict[str, Any]) -> None:
+    """The worker could not advance the resubmitted request's grammar by its earlier outputs: the
+    continuation is dropped, never served — a retry that had attached to it got an error it
+    retries (after the checkpoint's own tokens only), and the retry is computed anew, equal to
+    the uninterrupted answer (test_each_retry_gets_the_whole_uninterrupted_answer) — and the
+    worker says so."""
+    got = retried["retries"][VOIDED]
+    if got["first_error"] is not None:  # the retry had attached before the worker dropped it
+        assert "the restored continuation was dropped" in got["first_error"], got["first_error"]
+    voided = retried["connector"]["states_voided"]
+    assert list(voided) == [f"chatcmpl-{VOIDED}"]
+    assert "the grammar rejects the earlier outputs" in voided[f"chatcmpl-{VOIDED}"]
+    assert retried["resumed"][f"chatcmpl-{VOIDED}"].token_ids.__len__() <= 1, "stopped at once"
+    assert 'gpuckpt_continuations_total{event="voided"} 1.0' in retried["metrics"]
 
 
 def test_the_missing_tokens_are_generated_once(retried: dict[str, Any]) -> None:
@@ -323,11 +426,12 @@ def test_the_missing_tokens_are_generated_once(retried: dict[str, Any]) -> None:
     assert "embeddings" in resumed["cmpl-embeds-0"].left_to_client
     for cid in ("cmpl-logprobs-0", "cmpl-embeds-0"):
         assert resumed[cid].token_ids == []
-    again = sum(len(retried["reference"][k]["choices"][0]["ids"]) for k in ("logprobs", "embeds"))
+    # and the request whose continuation was dropped is computed anew by its retry
+    again = sum(len(retried["reference"][k]["choices"][0]["ids"]) for k in ("logprobs", "embeds", VOIDED))
     assert retried["generated"] == sum(len(c.token_ids) for c in resumed.values()) + again
     for e in retried["checkpoint"].ledger.data["requests"]:
         cid = e["client_request_id"]
-        if cid == "cmpl-logprobs-0":
+        if cid in ("cmpl-logprobs-0", f"chatcmpl-{VOIDED}"):
             continue
         m = re.match(r"^(?:(\d+)_)?(?:chatcmpl-(.+)|cmpl-(.+)-0)$", cid)
         assert m is not None, cid
@@ -486,36 +590,57 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
             assert got["choices"][i]["finish"] == c["finish"], (k, i)
 
 
-def test_gpuckpt_launch_killed_by_sigkill_leaves_no_worker_behind(
+def test_gpuckpt_launch_killed_by_sigkill_ends_every_stream_as_an_error_and_leaves_no_worker(
     tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """``launch`` SIGKILLed (the OOM killer, ``kill -9``) with four streams in flight, chat and
+    completions: no client gets a finished answer — each call raises (an error event vLLM's
+    shutdown sent through gpuckpt's middleware, or the connection the watchdog closed), so each
+    retries — and within the watchdog's bound no process of the worker runs."""
     tmp = short_dir("gpk-")
     model = chat_model(tiny_llama_text, tmp_path_factory.mktemp("orphan-model"))
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     log = tmp / "launch.log"
     p = _launch(model, tmp / "run", tmp / "repo", port, log)
     sock = tmp / "run" / "w1-connector.sock"
     pgid = None
+    long = {"temperature": 0.0, "max_tokens": 900, **NOEOS, "stream": True}
+    bodies = {
+        "c0": ("chat", {"messages": [{"role": "user", "content": "alpha beta"}], **long}),
+        "c1": ("chat", {"messages": [{"role": "user", "content": "gamma fox"}], **long}),
+        "p0": ("completions", {"prompt": "quick brown fox", **long}),
+        "p1": ("completions", {"prompt": "jumps over", **long}),
+    }
+    outcome: dict[str, Any] = {}
+
+    def run(k: str) -> None:
+        try:
+            outcome[k] = call(url, k, *bodies[k])
+        except Exception as exc:  # what the client's own code sees, and retries on
+            outcome[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in bodies]
     try:
-        _until(lambda: _healthy(f"http://127.0.0.1:{port}") and sock.exists(), 240, "the launched worker", p, log)
+        _until(lambda: _healthy(url) and sock.exists(), 240, "the launched worker", p, log)
         pgid = os.getpgid(WorkerChannel(str(sock)).ping().pid)
         assert pgid != os.getpgid(p.pid), "the worker runs in a session of its own"
+        for t in threads:
+            t.start()
+        # every request decoding in the engine, the clients' streams open
+        _until(lambda: session.stats(str(sock)).get("live") == len(bodies), 240, "the four requests", p, log)
         os.kill(p.pid, signal.SIGKILL)  # the supervisor alone: nothing of it runs after this
         p.wait()
-
-        def group_gone() -> bool:
-            try:
-                os.killpg(pgid, 0)
-                return False
-            except ProcessLookupError:
-                return True
-
-        deadline = time.monotonic() + 120
-        while not group_gone():
-            assert time.monotonic() < deadline, (
-                "the worker outlived its SIGKILLed launcher:\n" + log.read_text()[-2000:]
-            )
-            time.sleep(0.25)
+        died = time.monotonic()
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads), "a client's stream stayed open"
+        for k, got in outcome.items():
+            assert isinstance(got, Exception), f"{k}: a finished answer from a worker that was killed: {got}"
+        gone = _until_gone(pgid, 120)
+        # the documented bound (README: watchdog.GRACE_S after launch's death, SIGKILL) plus what a
+        # busy CI host takes to end the processes
+        assert gone - died < watchdog.GRACE_S + 60, gone - died
     finally:
         if pgid is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -523,3 +648,12 @@ def test_gpuckpt_launch_killed_by_sigkill_leaves_no_worker_behind(
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _until_gone(pgid: int, timeout: float) -> float:
+    """When no process of group ``pgid`` runs any more (``time.monotonic()``)."""
+    deadline = time.monotonic() + timeout
+    while running_in_group(pgid):
+        assert time.monotonic() < deadline, f"the worker's processes outlived launch: {running_in_group(pgid)}"
+        time.sleep(0.1)
+    return time.monotonic()

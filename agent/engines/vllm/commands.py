@@ -69,7 +69,15 @@ from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, ch
 from agent.engines.vllm.capture import CopyJob, Pending, Stream
 from agent.engines.vllm.describe import describe
 from agent.engines.vllm.groups import STATE, GroupRule, carried, group_key, not_carried, worker_groups
-from agent.engines.vllm.ledger import LEFT, RunnerFacts, client_id, make_ledger, request_entry, speculative_method
+from agent.engines.vllm.ledger import (
+    LEFT,
+    RunnerFacts,
+    client_id,
+    grammar_settings,
+    make_ledger,
+    request_entry,
+    speculative_method,
+)
 from agent.engines.vllm.meta import tail_identified, tail_key
 from agent.fs import Trust
 
@@ -135,6 +143,7 @@ class VllmService(WorkerService):
             model_runner="v2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1",
             async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
             speculative=speculative_method(vllm_config),
+            grammar=grammar_settings(vllm_config),
         )
         # the KV cache groups (the hybrid allocator): each page is one group's block; none is
         # carried when one cannot be (see .groups)
@@ -180,6 +189,10 @@ class VllmService(WorkerService):
         self.state_alias: dict[str, str] = {}
         self.states_refused: dict[str, str] = {}  # ledger client id → why a claimant was refused
         self.states_applied: dict[str, list[str]] = {}  # client id → what was applied
+        # client id → why its carried state could not be applied: its continuation is void (the
+        # engine request stops at once and the API server never serves it: SchedulerHalf.void)
+        self.states_voided: dict[str, str] = {}
+        self.voiding: dict[str, str] = {}  # engine request id → why, until it finishes
         # every rank's self-description (from GpuckptWorkerMeta.reports); describe waits for them
         self.reports: dict[int, dict[str, Any]] = {}
         self.reports_until = 0.0  # an idle engine steps for them until then (while describe waits)
@@ -264,6 +277,7 @@ class VllmService(WorkerService):
             "states_waiting": sorted(self.state_offer),
             "states_applied": {k: list(v) for k, v in self.states_applied.items()},
             "states_refused": dict(self.states_refused),
+            "states_voided": dict(self.states_voided),
             "stream": None if self.stream is None else {"seq": self.stream.seq, **self.stream.summary()},
             "ranks_reported": len(self.reports),
         }

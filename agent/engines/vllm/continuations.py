@@ -111,6 +111,8 @@ class Continuation:
     created: float = field(default_factory=time.monotonic)
     ended: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: why the continuation must never be served (a carried state it needed was not applied)
+    void: str | None = None
 
     def notify(self) -> None:
         self.changed.set()
@@ -170,6 +172,19 @@ class Book:
     def find(self, base: str) -> list[Continuation]:
         self.sweep()
         return [c for (b, _), c in self.items.items() if b == base]
+
+    def void(self, cont: Continuation, why: str) -> None:
+        """``cont`` must never be served: it is dropped, its streaming retries are woken (and cut:
+        the middleware raises a retryable error) and later retries are served anew, saying why."""
+        cont.void = why
+        key = (cont.base, cont.endpoint)
+        if self.items.get(key) is cont:
+            del self.items[key]
+        self.expected.pop(key, None)
+        self.left[key] = why
+        self.count("voided")
+        log.error("gpuckpt: continuation of %s (%s) is void: %s", cont.base, cont.endpoint, why)
+        cont.notify()
 
     def register(
         self, cid: str, api: dict[str, Any], all_ids: list[int], prompt_len: int

@@ -19,7 +19,7 @@ from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
 from agent.engines.vllm.groups import LEGACY_SIGNATURE, not_carried, page_heads, signature, worker_groups
-from agent.engines.vllm.ledger import speculative_method
+from agent.engines.vllm.ledger import grammar_settings, speculative_method
 from ckpt import ABSENT, fingerprint
 from ckpt.pins import GPU_FACTS
 
@@ -173,6 +173,8 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         # what a restore onto this worker cannot keep exact (ledger.judged_on); not a pin: the KV is
         # the same with or without it
         "speculative": speculative_method(vllm_config),
+        # what shapes the grammars it compiles: a structured request continues only under its own
+        "structured_outputs": grammar_settings(vllm_config),
         "ranks": reports,
         "page": (
             "one block id across all layer slots (a slot: one layer of each KV cache group), "

@@ -10,7 +10,10 @@ entry per request the scheduler held at the captured step boundary::
      "max_tokens": original budget, "remaining_max_tokens": int,
      "min_tokens": int, "sampling": {public SamplingParams fields},
      "structured_outputs": {regex|json|choice|grammar|json_object|
-                            structural_tag, options…, "backend": name} | null,
+                            structural_tag, options…, "backend": name,
+                            "settings": the worker's structured-output
+                            settings the grammar was compiled under
+                            (grammar_settings), from version 3 on} | null,
      "exact": bool, "inexact_reasons": [why this request cannot continue
                                         exactly after a restore, …],
      "cache_salt": str|null, "lora": str|null, "priority": int,
@@ -46,8 +49,12 @@ decides its next token is carried:
   (:data:`PRIOR_OUTPUTS_NEEDED`) and puts them in front of the restored
   request's outputs in the sampler's view (V1 runner, synchronous scheduling);
   the repetition penalty covers prompt and outputs alike and needs nothing;
-- structured outputs: the grammar is compiled anew and advanced by the
-  earlier outputs before the first restored token is constrained;
+- structured outputs: the grammar is compiled anew — under the same settings as the original's
+  (``settings``: the server's backend and whitespace options, which shape every grammar it
+  compiles; a worker with others, or a ledger without them, leaves the request to its client,
+  :func:`judged_on`) — and advanced by the earlier outputs before the first restored token is
+  constrained. A grammar that rejects them voids the continuation (the connector stops it and no
+  client is served it: the retry is computed anew);
 - parallel sampling (``n > 1``): each choice is an engine request of its own
   with its own seed (the parent's + its index) and generator, carried as any
   seeded request.
@@ -147,6 +154,11 @@ GRAMMAR_BACKENDS = ("xgrammar", "guidance", "outlines", "lm-format-enforcer")
 #: (the body's ``vllm_xargs``, which become ``SamplingParams.extra_args``)
 API_XARG = "gpuckpt_api"
 
+#: the key of a finished engine request's ``kv_transfer_params`` by which the connector tells the
+#: API server that the request's continuation is void — a carried state it needed could not be
+#: applied (why, as the value) — so that no client is ever served it
+VOID_PARAM = "gpuckpt_void"
+
 
 def resubmitted_id(cid: str) -> str:
     """The client id under which ``vllm serve`` runs the agent's resubmission of ``cid`` when no
@@ -176,6 +188,40 @@ class RunnerFacts:
     async_scheduling: bool = False
     speculative: str | None = None
     """The speculative decoding method (``ngram``, ``eagle3``, ``mtp``, …), ``None`` without it."""
+    grammar: Mapping[str, Any] | None = None
+    """The worker's structured-output settings (:func:`grammar_settings`)."""
+
+
+def grammar_settings(vllm_config: Any) -> dict[str, Any]:
+    """What of a worker's configuration shapes every grammar it compiles, beside the request's own
+    constraint: the server's ``--structured-outputs-config`` (vLLM's backends read whitespace and
+    additional-properties options from it, not from the request; a reasoning parser decides
+    where the grammar starts)."""
+    so = getattr(vllm_config, "structured_outputs_config", None)
+    return {
+        "backend": str(getattr(so, "backend", "auto") or "auto"),
+        "disable_any_whitespace": bool(getattr(so, "disable_any_whitespace", False)),
+        "disable_additional_properties": bool(getattr(so, "disable_additional_properties", False)),
+        "reasoning_parser": str(getattr(so, "reasoning_parser", "") or ""),
+        "enable_in_reasoning": bool(getattr(so, "enable_in_reasoning", False)),
+    }
+
+
+def grammar_mismatch(recorded: Mapping[str, Any] | None, backend: Any, worker: Mapping[str, Any] | None) -> str | None:
+    """Why a grammar compiled under ``recorded`` settings (with ``backend``, the one the engine
+    chose for the request) is not what ``worker`` would compile for its continuation (``None``:
+    it is the same)."""
+    if not recorded:
+        return "its grammar's settings are not in the ledger (written by an older gpuckpt)"
+    if not worker:
+        return "the restoring worker does not say its structured-output settings"
+    if worker.get("backend") not in ("auto", backend):
+        return f"its grammar backend {backend!r} is not the restoring worker's ({worker.get('backend')!r})"
+    differ = sorted(k for k in recorded if k != "backend" and recorded.get(k) != worker.get(k))
+    if differ:
+        shown = ", ".join(f"{k} {recorded.get(k)!r} here {worker.get(k)!r}" for k in differ)
+        return f"its grammar was compiled under other structured-output settings ({shown})"
+    return None
 
 
 def _plain(v: Any) -> Any:
@@ -193,13 +239,21 @@ def sampling_to_json(sp: Any) -> dict[str, Any]:
     return {name: _plain(v) for name in SAMPLING_FIELDS if (v := getattr(sp, name, None)) is not None}
 
 
-def structured_to_json(sp: Any) -> dict[str, Any] | None:
-    """A request's structured-output constraint as JSON, with the backend the engine chose."""
+def structured_to_json(sp: Any, settings: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """A request's structured-output constraint as JSON, with the backend the engine chose and the
+    worker's ``settings`` it was compiled under (:func:`grammar_settings`)."""
     so = getattr(sp, "structured_outputs", None)
     if so is None:
         return None
     out = {name: _plain(v) for name in STRUCTURED_FIELDS if (v := getattr(so, name, None)) not in (None, False)}
+    if isinstance(out.get("json"), dict):
+        # the schema as the text the engine compiles (vLLM's structured_output_key): a manifest is
+        # canonical JSON, keys sorted, and a schema's property order is the order its grammar
+        # generates — a sorted schema is another grammar, which rejects the earlier outputs
+        out["json"] = json.dumps(so.json)
     out["backend"] = getattr(so, "_backend", None)
+    if settings is not None:
+        out["settings"] = dict(settings)
     return out
 
 
@@ -259,7 +313,10 @@ def judged_on(requests: list[Resubmission], layout: Mapping[str, Any]) -> list[R
     drafts) — nor, under synthetic acceptance, any request. Where its runner cannot put a
     request's earlier outputs back in the sampler's view (V2, or async scheduling:
     ``model_runner``, ``async_scheduling``), a request with penalties or bad words that counts
-    them is not exact either."""
+    them is not exact either. A structured request whose grammar the worker would compile under
+    other settings than the original's (``layout["structured_outputs"]``; or a ledger that does
+    not say them) is left to its client: its continuation would run under another grammar, and
+    its retry is computed anew."""
     worker = RunnerFacts(
         str(layout.get("model_runner") or "v1"), bool(layout.get("async_scheduling")), layout.get("speculative")
     )
@@ -267,6 +324,11 @@ def judged_on(requests: list[Resubmission], layout: Mapping[str, Any]) -> list[R
     def on_worker(r: Resubmission) -> Resubmission:
         if r.left_to_client is not None:
             return r
+        needs = r.needs or {}
+        if "grammar" in needs and (
+            off := grammar_mismatch(needs["grammar"], needs.get("backend"), layout.get("structured_outputs"))
+        ):
+            return Resubmission.left(r.request_id, off, r.api)
         why = []
         # (a cause the ledger's writer already named, in the same words, is not named twice)
         if r.output_token_ids and (prior := priors_reason(r.sampling, worker)) and prior not in r.reasons:
@@ -350,7 +412,7 @@ def request_entry(req: Any, kv_tokens: int, runner: RunnerFacts = RunnerFacts())
         "remaining_max_tokens": max(0, max_tokens - len(outputs)),
         "min_tokens": int(getattr(sp, "min_tokens", 0) or 0),
         "sampling": sampling_to_json(sp),
-        "structured_outputs": structured_to_json(sp),
+        "structured_outputs": structured_to_json(sp, runner.grammar),
         "cache_salt": req.cache_salt,
         "lora": getattr(lora, "lora_name", None),
         "priority": int(req.priority),
@@ -440,8 +502,11 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
         # outputs they would be a different thing (and defeat the cache).
         sampling.pop("prompt_logprobs", None)
         so = e.get("structured_outputs")
+        needs = None
         if so:
-            sampling["structured_outputs"] = {k: v for k, v in so.items() if k != "backend"}
+            sampling["structured_outputs"] = {k: v for k, v in so.items() if k not in ("backend", "settings")}
+            if e["output_token_ids"]:  # a grammar that starts afresh needs nothing of the worker
+                needs = {"grammar": so.get("settings"), "backend": so.get("backend")}
         reasons = list(e.get("inexact_reasons") or [])
         if "exact" not in e:  # a version-1 ledger did not judge its requests
             reasons = inexact_reasons({**e, "structured_outputs": None}, RunnerFacts())
@@ -457,6 +522,7 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 exact=not reasons,
                 reasons=tuple(reasons),
                 api=e.get("api"),
+                needs=needs,
             )
         )
     for e in left_entries(ledger):

@@ -82,7 +82,7 @@ from agent.engines.vllm.continuations import (
     parse_id,
     tenant_digest,
 )
-from agent.engines.vllm.ledger import API_XARG
+from agent.engines.vllm.ledger import API_XARG, VOID_PARAM
 
 log = logging.getLogger("gpuckpt.middleware")
 
@@ -135,7 +135,7 @@ class _Wrapped:
         call = _CTX.get()
         real: Callable[..., Any] = self._inner.generate
         if call is None or call.kind == "new":  # "new": the middleware already said why not
-            return real(prompt, sampling_params, request_id, *args, **kw)
+            return _never_aborted(real(prompt, sampling_params, request_id, *args, **kw))
         try:
             ids = _prompt_ids(prompt)
             if call.kind == "resubmit":
@@ -191,7 +191,10 @@ class _Wrapped:
             merged = None
             try:
                 async for ro in inner:
-                    if ch is not None and cont is not None:
+                    void = (getattr(ro, "kv_transfer_params", None) or {}).get(VOID_PARAM)
+                    if void is not None and cont is not None:
+                        self._book.void(cont, str(void))  # its last token is never kept nor served
+                    elif ch is not None and cont is not None:
                         for out in ro.outputs:
                             ch.new.extend(int(t) for t in out.token_ids)
                             if out.finish_reason is not None:
@@ -207,7 +210,7 @@ class _Wrapped:
                     yield merged
             finally:
                 if ch is not None and cont is not None and not ch.done:
-                    ch.finish_reason, ch.done = "abort", True
+                    ch.finish_reason, ch.done = ABORT, True
                 if cont is not None:
                     if cont.complete and cont.ended is None:
                         cont.ended = time.monotonic()
@@ -248,6 +251,10 @@ class _Wrapped:
         last: dict[int, Any] = {}  # each choice's latest output (cumulative kinds yield them all)
         while True:
             wake = cont.changed
+            if cont.void is not None:
+                # what was served so far is the checkpoint's (the uninterrupted run's) own; the rest
+                # would not be: the client gets an error it retries, and its retry is served anew
+                raise _retryable(f"gpuckpt: the restored continuation was dropped ({cont.void}); retry the request")
             outs = []
             for c in chosen:
                 assert c is not None
@@ -266,6 +273,8 @@ class _Wrapped:
                         if not c.done:
                             stopped_early.append(c.index)
                 if st["finish"] is None and at_end and st["read"] >= total:
+                    if c.finish_reason == ABORT:  # the continuation was cut (its worker stopping, say)
+                        raise _retryable(_ENDED)
                     st["finish"], st["stop"] = c.finish_reason, c.stop_reason
                 finished = st["finish"] is not None
                 all_ids = st["detok"].output_token_ids
@@ -302,6 +311,39 @@ class _Wrapped:
                 await self._inner.abort(cont.engine_ids)
             except Exception:
                 log.exception("gpuckpt: aborting a continuation past its stop string")
+
+
+#: vLLM's finish reason of a request the engine ended before it finished (not an OpenAI one)
+ABORT = "abort"
+_ENDED = "gpuckpt: the worker ended this request before it finished (it is stopping or restarting); retry the request"
+
+
+async def _never_aborted(outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    """A request's engine outputs, where an end the engine gave it before it finished — ``abort``:
+    the server shutting down (``launch`` killed, SIGTERM, a stop), the engine aborting it — is an
+    error the client retries (vLLM renders it as an HTTP 503, or an error event in a stream, on
+    which the ``openai`` client raises), never a finish reason that ends a short answer as if it
+    were whole. A client that went away itself hears nothing either way."""
+    try:
+        async for ro in outputs:
+            if any(getattr(o, "finish_reason", None) == ABORT for o in getattr(ro, "outputs", ()) or ()):
+                raise _retryable(_ENDED)
+            yield ro
+    finally:
+        if (aclose := getattr(outputs, "aclose", None)) is not None:
+            await aclose()  # at once, as vLLM's own handler would (it aborts an unfinished request)
+
+
+def _retryable(message: str) -> Exception:
+    """vLLM's error for a request-level failure a client may retry (HTTP 503; in a stream, an
+    error event, on which the ``openai`` client raises)."""
+    # late: vLLM is there only in the API server's process (see above)
+    from vllm import exceptions
+
+    # a vLLM without it: its generic server error (a 500) is retried as well
+    cls = getattr(exceptions, "RetryableRequestError", None) or exceptions.GenerationError
+    err: Exception = cls(message)
+    return err
 
 
 def _prompt_ids(prompt: Any) -> list[int] | None:

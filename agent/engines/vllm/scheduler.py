@@ -64,7 +64,7 @@ from agent.engines.types import token_digest
 from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
 from agent.engines.vllm.groups import STATE, GroupRule, group_key, plan_hit
-from agent.engines.vllm.ledger import client_id
+from agent.engines.vllm.ledger import VOID_PARAM, client_id
 from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta, tail_identified, tail_key
 
 if TYPE_CHECKING:
@@ -154,31 +154,38 @@ class SchedulerHalf(VllmService):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Delay the free of a finished request whose KV ends inside a block, so the next step can
-        copy that partial tail — every group's (see :class:`.GpuckptMeta`)."""
+        copy that partial tail — every group's (see :class:`.GpuckptMeta`); a voided continuation
+        (:meth:`void`) finishes with ``{VOID_PARAM: why}`` as its ``kv_transfer_params``."""
         with self.lock:
-            self.live.pop(request.request_id, None)
-            self.plans.pop(request.request_id, None)
-            self.deferred.pop(request.request_id, None)
-            self.cold.discard(request.request_id)
-            if self.tail_cap <= 0 or not self.carried:
-                return False, None
-            bs = self.block_size
-            n = int(request.num_computed_tokens)  # block_ids cover these tokens
-            n_full = n // bs
-            hashes = self.block_hashes(request.block_hashes)
-            if n % bs == 0 or n_full > len(hashes) or not tail_identified(request, n_full * bs, n):
-                return False, None
-            if any(n_full >= len(block_ids[g.index]) for g in self.carried):
-                return False, None
-            parent = bytes(hashes[n_full - 1]) if n_full else b""
-            lora = getattr(request.lora_request, "lora_name", None)
-            key = tail_key(parent, request.all_token_ids[n_full * bs : n], request.cache_salt, lora)
-            if key in self.tail_keys:
-                return False, None
-            for g in self.carried:
-                gk = group_key(key, g.index)
-                self.tail_copies.append((gk.hex(), block_ids[g.index][n_full], request.request_id))
-            return True, None
+            void = self.voiding.pop(request.request_id, None)
+            delay = self.finished_locked(request, block_ids)
+            return delay, ({VOID_PARAM: void} if void is not None else None)
+
+    def finished_locked(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
+        """Forget a finished request; whether its partial tail is to be copied first (lock held)."""
+        self.live.pop(request.request_id, None)
+        self.plans.pop(request.request_id, None)
+        self.deferred.pop(request.request_id, None)
+        self.cold.discard(request.request_id)
+        if self.tail_cap <= 0 or not self.carried:
+            return False
+        bs = self.block_size
+        n = int(request.num_computed_tokens)  # block_ids cover these tokens
+        n_full = n // bs
+        hashes = self.block_hashes(request.block_hashes)
+        if n % bs == 0 or n_full > len(hashes) or not tail_identified(request, n_full * bs, n):
+            return False
+        if any(n_full >= len(block_ids[g.index]) for g in self.carried):
+            return False
+        parent = bytes(hashes[n_full - 1]) if n_full else b""
+        lora = getattr(request.lora_request, "lora_name", None)
+        key = tail_key(parent, request.all_token_ids[n_full * bs : n], request.cache_salt, lora)
+        if key in self.tail_keys:
+            return False
+        for g in self.carried:
+            gk = group_key(key, g.index)
+            self.tail_copies.append((gk.hex(), block_ids[g.index][n_full], request.request_id))
+        return True
 
     def no_match(self, request: Request) -> tuple[int, bool]:
         """The safe answer of a failed match: no external hit, nothing planned."""
@@ -402,6 +409,20 @@ class SchedulerHalf(VllmService):
             except Exception as exc:
                 log.error("gpuckpt: grammar of %s not advanced: %s", cid, exc)
                 applied.append(f"grammar failed: {exc}")
+                self.void(request, cid, f"its grammar could not be applied to the earlier outputs ({exc})")
+
+    def void(self, request: Request, cid: str, why: str) -> None:
+        """A carried state the continuation needs could not be applied (lock held): the
+        continuation would ignore it (a grammar that does not constrain it, say), so it must never
+        reach a client. The engine request stops after its first token (``max_tokens`` is what
+        vLLM's stop check reads) and finishes with ``{VOID_PARAM: why}`` in its
+        ``kv_transfer_params`` (:meth:`request_finished_all_groups`), which the API server's
+        middleware reads: the continuation is dropped, an attached retry's stream is cut, and
+        later retries are served anew. The agent reads ``states_voided`` and reports the request
+        left to its client."""
+        request.max_tokens = min(int(request.max_tokens), int(request.num_output_tokens) + 1)
+        self.states_voided[cid] = why
+        self.voiding[request.request_id] = why
 
     def send_state(self, rid: str, generator: str | None, prior: list[int] | None) -> None:
         if generator:
