@@ -126,6 +126,7 @@ def main() -> int:
         print("round trip of sampled pages:", "ok" if got == want else "MISMATCH")
         ok = got == want
     ok = copier_check() and ok
+    ok = pins_check(facts) and ok
     if args.vllm:
         ok = vllm_checks() and ok
     if args.hybrid:
@@ -137,6 +138,29 @@ def main() -> int:
     if args.speculative:
         ok = speculative_checks() and ok
     return 0 if ok else 1
+
+
+def pins_check(facts: Any) -> bool:
+    """The pins on this host's own facts: a checkpoint taken on a node with another GPU count and
+    another CPU generation, at another TP size, restores warm here; another GPU product does not."""
+    from ckpt import Pins, WorkerFacts, decide
+
+    worker = WorkerFacts(engine="vllm", tensor_parallel_size=2, rank=0)
+    here = Pins(host=facts, worker=worker.model_copy(update={"tensor_parallel_size": 1}))
+    other_node = facts.model_copy(update={"gpu_count": (facts.gpu_count or 0) + 4, "cpu_isa": "other-isa"})
+    moved = decide(Pins(host=other_node, worker=worker), here)
+    other_gpu = decide(Pins(host=other_node.model_copy(update={"gpu_product": "another GPU"}), worker=worker), here)
+    # unknown worker facts refuse either way: only the host's rules are judged here
+    host_rules = {"gpu_product", "gpu_compute_capability", "gpu_count", "cpu_isa", "tensor_parallel_size", "rank"}
+    refused = {r.rule for r in moved.results if r.verdict != "match" and r.rule in host_rules}
+    product_refused = "gpu_product" in {r.split(":")[0] for r in other_gpu.reasons}
+    print(
+        "pins: another node's GPU count and CPU generation at TP 2 -> 1 restore warm here:",
+        "ok" if not refused else f"REFUSED by {sorted(refused)}",
+        "; another GPU product refused:",
+        "ok" if product_refused else "NOT REFUSED",
+    )
+    return not refused and product_refused
 
 
 def copier_check(layers: int = 32, blocks: int = 4096, chunk: int = 64) -> bool:

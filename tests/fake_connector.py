@@ -42,6 +42,7 @@ class FakeConnector(WorkerService):
         self.stage = stage
         self.pages = pages
         self.capture_delay = 0.0
+        self.batch: dict[str, int] = {}  # more engine stats: the live requests and the sequence slots
         self.fail_capture: str | None = None
         self.captures = 0
         self.swept = 0
@@ -198,4 +199,4 @@ class FakeConnector(WorkerService):
         return super().on_sweep(msg)
 
     def engine_stats(self) -> dict[str, Any]:
-        return {"restored_tokens": {}, "step": self.step, "live": 0}
+        return {"restored_tokens": {}, "step": self.step, "live": 0, **self.batch}

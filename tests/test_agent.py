@@ -178,6 +178,56 @@ def test_a_checkpoint_past_its_deadline_is_abandoned_and_nothing_is_visible(rig)
     assert a.status()["last_error"]["operation"] == "checkpoint"
 
 
+def test_a_checkpoint_never_waits_for_the_canary_behind_a_full_batch(rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canary probe is a request like any other: on a worker whose every sequence slot is taken
+    it queues until one frees, and the final checkpoint of a busy worker waited for it (49 of
+    50.7 s). It is recorded in the background as soon as the worker answers; a checkpoint that
+    finds the probe still queued behind a full batch goes without it at once (its restore is cold,
+    and the log says why), and every later checkpoint of the same worker process reuses the
+    record without probing again. The logged timings account for the whole duration."""
+    _tmp, fake, start = rig
+    released = threading.Event()
+    probes: list[int] = []
+
+    class Worker:  # the worker's API: the probe waits in its queue until a slot frees
+        def generate(self, ids: list[int], n: int) -> list[int]:
+            probes.append(n)
+            assert released.wait(60)
+            return [5] * n
+
+    monkeypatch.setattr(Agent, "_serving_client", lambda self: Worker())
+    fake.batch = {"live": 16, "max_num_seqs": 16}
+    a = start(worker_url="http://127.0.0.1:9")
+    t0 = time.monotonic()
+    t = a.request_checkpoint("stop", deadline_s=60)
+    assert t.done.wait(60)
+    assert t.state == "done", t.error
+    assert time.monotonic() - t0 < 20, "the checkpoint waited for the queued probe"
+    repo = Repository.open(str(_tmp / "repo"))
+    assert repo.manifest(t.checkpoint).canary is None
+    timings = a.last_checkpoint["timings"]
+    assert set(timings) >= {"canary_s", "wait_s", "capture_s", "write_s", "save_s", "other_s"}
+    assert sum(timings.values()) == pytest.approx(a.last_checkpoint["duration_s"], abs=0.01)
+    # a slot frees: the background probe completes, and the next checkpoints use its record
+    released.set()
+    fake.batch = {"live": 3, "max_num_seqs": 16}
+    deadline = time.monotonic() + 30
+    while a._canary is None:
+        assert time.monotonic() < deadline, "the background probe never completed"
+        time.sleep(0.05)
+    for _ in range(2):
+        t = a.request_checkpoint("request")
+        assert t.done.wait(60)
+        assert t.state == "done", t.error
+        assert repo.manifest(t.checkpoint).canary == {
+            "kind": "greedy-probe-v1",
+            "prompt_token_ids": repo.manifest(t.checkpoint).canary["prompt_token_ids"],
+            "new_tokens": 8,
+            "expected": [5] * 8,
+        }
+    assert probes == [8], "probed once per worker process"
+
+
 def test_a_worker_shaping_page_files_against_its_agent_fails_that_checkpoint_only(rig) -> None:
     """A FIFO in a page file's place, and a page file truncated under the agent: each is that
     checkpoint's named error; the agent keeps serving and the next checkpoint is taken."""

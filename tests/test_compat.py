@@ -325,22 +325,6 @@ def test_refused_decision_raises_with_reasons_list() -> None:
     assert info.value.reasons == ["x: mismatch (checkpoint 1, here 2)"]
 
 
-def test_cpu_host_restores_onto_cpu_host_and_not_onto_gpu_host() -> None:
-    cpu = {
-        "gpu_product": ABSENT,
-        "gpu_compute_capability": ABSENT,
-        "gpu_count": 0,
-        "driver_version": ABSENT,
-        "cuda_driver_version": ABSENT,
-        "cuda_runtime_version": ABSENT,
-    }
-    assert decide(pins(**cpu), pins(**cpu)).warm
-    refused = decide(pins(**cpu), pins())
-    assert "cuda_runtime_version: mismatch (checkpoint absent, here 12.1)" in refused.reasons
-    assert "gpu_product: mismatch (checkpoint absent, here NVIDIA H100 80GB HBM3)" in (refused.reasons)
-    assert not [r for r in refused.reasons if r.startswith("gpu_count")]
-
-
 CPU_HOST: dict[str, Any] = {
     "gpu_product": ABSENT,
     "gpu_compute_capability": ABSENT,
@@ -348,8 +332,15 @@ CPU_HOST: dict[str, Any] = {
     "driver_version": ABSENT,
     "cuda_driver_version": ABSENT,
     "cuda_runtime_version": ABSENT,
-    "torch_version": "2.13.0+cpu",
 }
+
+
+def test_cpu_host_restores_onto_cpu_host_and_not_onto_gpu_host() -> None:
+    assert decide(pins(**CPU_HOST), pins(**CPU_HOST)).warm
+    refused = decide(pins(**CPU_HOST), pins())
+    assert "cuda_runtime_version: mismatch (checkpoint absent, here 12.1)" in refused.reasons
+    assert "gpu_product: mismatch (checkpoint absent, here NVIDIA H100 80GB HBM3)" in (refused.reasons)
+    assert not [r for r in refused.reasons if r.startswith("gpu_count")]
 
 
 def test_cpu_isa_is_compared_for_cpu_workers() -> None:

@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,20 +54,27 @@ def test_a_page_file_truncated_after_opening_is_a_named_error_not_sigbus(stage: 
 def test_a_fifo_in_a_page_files_place_is_refused_at_once(stage: Path) -> None:
     idx = stage / "cap-2.json"
     os.mkfifo(idx, 0o600)
-    got: list[BaseException] = []
+    got = at_once(lambda: staging.PageFile(idx, directory=stage, mapped=False), "opening a FIFO blocked the agent")
+    assert isinstance(got, fs.UnsafePath)
+    assert "not a regular file" in str(got)
 
-    def open_it() -> None:
+
+def at_once(fn: Callable[[], object], blocked: str) -> object:
+    """``fn``'s result or the exception it raised, which must come at once (``blocked``: what it
+    means if it does not, within 20 s)."""
+    got: list[object] = []
+
+    def run() -> None:
         try:
-            staging.PageFile(idx, directory=stage, mapped=False)
+            got.append(fn())
         except BaseException as exc:
             got.append(exc)
 
-    t = threading.Thread(target=open_it, daemon=True)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(20)
-    assert not t.is_alive(), "opening a FIFO blocked the agent"
-    assert isinstance(got[0], fs.UnsafePath)
-    assert "not a regular file" in str(got[0])
+    assert not t.is_alive(), blocked
+    return got[0]
 
 
 @pytest.mark.parametrize("planted", ["fifo", "symlink", "file"])
@@ -83,21 +91,14 @@ def test_a_page_writer_never_opens_what_stands_under_its_file_names(stage: Path,
             path.symlink_to(outside)
         else:
             path.write_bytes(b"stale")
-    got: list[BaseException | staging.PageIndex] = []
 
-    def write() -> None:
-        try:
-            w = staging.PageWriter(stage, "rst-1", dtype="uint8", page_shape=(64,), layers=("l0",))
-            w.write(bytes([1]) * 8, bytes([7]) * 64)
-            got.append(w.commit())
-        except BaseException as exc:
-            got.append(exc)
+    def write() -> staging.PageIndex:
+        w = staging.PageWriter(stage, "rst-1", dtype="uint8", page_shape=(64,), layers=("l0",))
+        w.write(bytes([1]) * 8, bytes([7]) * 64)
+        return w.commit()
 
-    t = threading.Thread(target=write, daemon=True)
-    t.start()
-    t.join(20)
-    assert not t.is_alive(), "a planted FIFO blocked the writer"
-    assert isinstance(got[0], staging.PageIndex), got[0]
+    got = at_once(write, "a planted FIFO blocked the writer")
+    assert isinstance(got, staging.PageIndex), got
     assert outside.read_bytes() == b"keep"
     assert (stage / "rst-1.bin").read_bytes() == bytes([7]) * 64
     assert not (stage / "rst-1.bin").is_symlink()

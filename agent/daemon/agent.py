@@ -49,6 +49,14 @@ from ckpt.save import SaveProgress
 
 log = logging.getLogger("gpuckpt.agent")
 
+#: how long a checkpoint waits for the background canary record of a new worker process before it
+#: asks whether the worker's batch is full (then it waits no more: see Agent._canary_record), and
+#: how long at most whatever the worker says
+CANARY_WAIT_S = 1.0
+CANARY_WAIT_MAX_S = 30.0
+#: how often the background recorder looks for a new worker process
+CANARY_POLL_S = 2.0
+
 
 class Agent:
     def __init__(self, cfg: AgentConfig, *, notifier: Notifier | None = None) -> None:
@@ -73,6 +81,7 @@ class Agent:
         )
         self.preempted: dict[str, Any] | None = None
         self._canary: tuple[int, dict[str, Any]] | None = None  # (worker pid, record)
+        self._canary_recorder = False  # the background recorder runs (start)
         self._client: ServingClient | None = None  # for the canary, made at the first checkpoint
         self._api: ApiServer | None = None
         self._metrics_server: Any = None
@@ -110,6 +119,11 @@ class Agent:
             self.notifier.status(f"restoring worker {self.cfg.worker_id}")
             self.restore_at_start()
         self.state = "ready"
+        # after the restore: a probe run before the restore's own canary check would put the
+        # probe's blocks in the cache from local compute, and the check would not read restored ones
+        if self.cfg.worker_url and self.cfg.checkpoint.canary:
+            self._canary_recorder = True
+            self._spawn(self._record_canary, "gpuckpt-canary")
         self._spawn(Scheduler(self.cfg, self, self._stopping).run, "gpuckpt-scheduler")
         self.notifier.ready(self._status_line())
         self.notifier.start_watchdog(self.healthy)
@@ -205,9 +219,7 @@ class Agent:
         t.started_at = now()
         trigger = t.triggers[0]
         self.notifier.status(f"checkpointing ({', '.join(t.triggers)})")
-        if self._client is None and self.cfg.worker_url and self.cfg.checkpoint.canary:
-            self._client = self.engine.client(self.cfg.worker_url)  # kept: a final checkpoint must not build one
-        client = self._client
+        client = self._serving_client()
 
         def captured(stats: CaptureStats) -> None:
             t.state = "saving"
@@ -258,11 +270,14 @@ class Agent:
         self.worker.update(attached=True, last_seen=now(), error=None)
         self.metrics.checkpoint_done(trigger, seconds=total_s, stats=stats, sizes=m.sizes)
         timings = {
+            "canary_s": stats.get("canary_s", 0.0),
             "wait_s": stats.get("wait_s", 0.0),
             "capture_s": stats.get("capture_s", 0.0),
             "write_s": stats.get("write_s", 0.0),
             "save_s": stats.get("save_s", 0.0),
         }
+        # the whole duration is accounted for: what the parts leave is named, not hidden
+        timings["other_s"] = max(0.0, total_s - sum(timings.values()))
         self.last_checkpoint = {
             "id": m.id,
             "at": now(),
@@ -285,14 +300,68 @@ class Agent:
         self.notifier.status(self._status_line())
         self._retention()
 
+    def _serving_client(self) -> ServingClient | None:
+        """The worker's API client for the canary (``None``: no canary), made once and kept: a final
+        checkpoint must not build one."""
+        if self._client is None and self.cfg.worker_url and self.cfg.checkpoint.canary:
+            self._client = self.engine.client(self.cfg.worker_url)
+        return self._client
+
     def _canary_record(self, client: ServingClient | None) -> dict[str, Any] | None:
-        """The worker's canary, probed once per worker process and reused by every checkpoint."""
+        """The worker's canary, probed once per worker process and reused by every checkpoint.
+
+        A checkpoint never waits for the probe: it is a request like any other, and on a worker at
+        full batch it queues until a sequence slot frees — the final checkpoint of a busy worker
+        then missed its preemption notice. The background recorder (:meth:`_record_canary`)
+        probes as soon as the worker is up; a checkpoint that finds no record for this worker
+        process waits :data:`CANARY_WAIT_S` at most, then goes without one (its manifest has no
+        canary: a restore of it is cold, and says so). An agent whose recorder is not running
+        (not started) probes here, as before."""
         if client is None:
             return None
         pid = self.engine.channel.ping().pid
-        if self._canary is None or self._canary[0] != pid:
-            self._canary = (pid, canary_mod.record(client.generate))
-        return self._canary[1]
+        if not self._canary_recorder:
+            if self._canary is None or self._canary[0] != pid:
+                self._canary = (pid, canary_mod.record(client.generate))
+            return self._canary[1]
+        t0 = time.monotonic()
+        while (cached := self._canary) is None or cached[0] != pid:
+            waited = time.monotonic() - t0
+            full = waited >= CANARY_WAIT_S and self._worker_full()
+            if full or waited >= CANARY_WAIT_MAX_S:
+                why = "every sequence slot of the worker is taken" if full else f"not done in {waited:.0f} s"
+                log.warning(
+                    f"checkpoint without a canary: the worker's probe is still queued ({why}); a restore of "
+                    "this checkpoint will be cold",
+                    extra={"worker_pid": pid},
+                )
+                return None
+            time.sleep(0.1)
+        return cached[1]
+
+    def _worker_full(self) -> bool:
+        """Whether the worker's batch is full, as its adapter says (unknown: no)."""
+        try:
+            st = self.engine.channel.stats()
+        except Exception:
+            return False
+        cap = st.get("max_num_seqs")
+        return isinstance(cap, int) and int(st.get("live") or 0) >= cap
+
+    def _record_canary(self) -> None:
+        """Record the canary of each worker process as soon as the worker answers, in the background
+        (see :meth:`_canary_record`); again when the worker process changes."""
+        while not self._stopping.is_set():
+            try:
+                client = self._serving_client()
+                pid = self.engine.channel.ping().pid
+                if client is not None and (self._canary is None or self._canary[0] != pid):
+                    t0 = time.monotonic()
+                    self._canary = (pid, canary_mod.record(client.generate))
+                    log.info("canary recorded", extra={"worker_pid": pid, "seconds": round(time.monotonic() - t0, 3)})
+            except Exception as exc:  # the worker may be starting or gone: try again
+                log.debug("canary not recorded yet", extra={"error": describe_error(exc)})
+            self._stopping.wait(CANARY_POLL_S)
 
     def _retention(self) -> None:
         assert self.repo is not None
@@ -423,6 +492,8 @@ class Agent:
             "preempted": self.preempted,
             "last_gc": self.last_gc,
             "last_precopy": self.last_precopy,
+            # the canary the next checkpoint records (probed in the background, once per worker process)
+            "canary": {"worker_pid": self._canary[0]} if self._canary is not None else None,
         }
 
     def _status_line(self) -> str:

@@ -455,10 +455,12 @@ def test_a_reused_id_with_another_body_or_tenant_is_never_attached(retried: dict
     assert 'gpuckpt_continuations_total{event="attached"}' in retried["metrics"]
 
 
-def _launch(model: Path, rdir: Path, repo: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def _launch(
+    model: Path, rdir: Path, repo: Path, port: int, log: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     argv = [*CLI, "launch", "--worker-id", "w1", "--runtime-dir", str(rdir)]
     argv += ["--repo", str(repo), "--", sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    argv += ["--model", str(model), "--port", str(port), *ARGS, "--served-model-name", "m"]
+    argv += ["--model", str(model), "--port", str(port), *ARGS, *extra, "--served-model-name", "m"]
     # as fleets run their workers: vLLM refuses any KV connector beside expandable segments, and
     # gpuckpt's plugin exempts its own (tests/test_vllm_plugin.py); the launched worker must start
     env = {**os.environ, **ENV, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -590,13 +592,15 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
             assert got["choices"][i]["finish"] == c["finish"], (k, i)
 
 
-def test_gpuckpt_launch_killed_by_sigkill_ends_every_stream_as_an_error_and_leaves_no_worker(
-    tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("killed", ["launch", "engine core"])
+def test_a_sigkill_under_gpuckpt_launch_ends_every_stream_as_an_error_and_leaves_no_worker(
+    tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory, killed: str
 ) -> None:
-    """``launch`` SIGKILLed (the OOM killer, ``kill -9``) with four streams in flight, chat and
-    completions: no client gets a finished answer — each call raises (an error event vLLM's
-    shutdown sent through gpuckpt's middleware, or the connection the watchdog closed), so each
-    retries — and within the watchdog's bound no process of the worker runs."""
+    """``launch`` SIGKILLed (the OOM killer, ``kill -9``), or the worker's engine core (a GPU
+    fault, an OOM kill of the engine), with four streams in flight, chat and completions: no
+    client gets a finished answer — each call raises (an error event vLLM's shutdown sent through
+    gpuckpt's middleware, or the connection the watchdog closed), so each retries — and within
+    the watchdog's bound no process of the worker runs."""
     tmp = short_dir("gpk-")
     model = chat_model(tiny_llama_text, tmp_path_factory.mktemp("orphan-model"))
     port = free_port()
@@ -625,12 +629,18 @@ def test_gpuckpt_launch_killed_by_sigkill_ends_every_stream_as_an_error_and_leav
         _until(lambda: _healthy(url) and sock.exists(), 240, "the launched worker", p, log)
         pgid = os.getpgid(WorkerChannel(str(sock)).ping().pid)
         assert pgid != os.getpgid(p.pid), "the worker runs in a session of its own"
+        # the agent's canary probe first, then the clients, held to start together: the engine
+        # itself says when every one is decoding, its client's stream open (no poll races them)
+        _until(lambda: (_agent_status(tmp / "run" / "w1.sock") or {}).get("canary"), 240, "the canary", p, log)
+        session.hold(str(sock), len(bodies), timeout=300)
         for t in threads:
             t.start()
-        # every request decoding in the engine, the clients' streams open
-        _until(lambda: session.stats(str(sock)).get("live") == len(bodies), 240, "the four requests", p, log)
-        os.kill(p.pid, signal.SIGKILL)  # the supervisor alone: nothing of it runs after this
-        p.wait()
+        session.wait_until(str(sock), live=len(bodies), min_outputs=8, timeout=300)
+        if killed == "launch":
+            os.kill(p.pid, signal.SIGKILL)  # the supervisor alone: nothing of it runs after this
+        else:
+            os.kill(WorkerChannel(str(sock)).ping().pid, signal.SIGKILL)  # the connector's process
+        p.wait(300)  # launch sees its worker end, and ends with it
         died = time.monotonic()
         for t in threads:
             t.join(300)
@@ -648,6 +658,95 @@ def test_gpuckpt_launch_killed_by_sigkill_ends_every_stream_as_an_error_and_leav
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _agent_status(api: Path) -> dict[str, Any] | None:
+    st = subprocess.run([*CLI, "status", "--agent", str(api), "--json"], capture_output=True, text=True, timeout=120)
+    return json.loads(st.stdout) if st.returncode == 0 else None
+
+
+def test_sigterm_of_launch_with_the_batch_full_checkpoints_at_once_and_every_retry_attaches(
+    tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A planned stop of a worker whose every sequence slot is taken by a long stream (as many as
+    ``--max-num-seqs``): the final checkpoint waits for nothing the queue holds — its canary was
+    recorded in the background when the worker came up — and its logged timings account for its
+    whole duration; every client's call raises (vLLM's shutdown ends the streams, the middleware
+    makes that an error), and each retry to the relaunched worker attaches and equals the same
+    engine's uninterrupted answer."""
+    tmp = short_dir("gpf-")
+    model = chat_model(tiny_llama_text, tmp_path_factory.mktemp("full-model"))
+    repo = tmp / "repo"
+    slots = 4
+    # streams far longer than a stop takes, so that they are in flight at it whatever the host's load
+    flags = ("--max-num-seqs", str(slots), "--max-model-len", "2048")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    long = {"temperature": 0.0, "max_tokens": 2000, **NOEOS, "stream": True}
+    bodies = {
+        f"s{i}": ("chat", {"messages": [{"role": "user", "content": f"alpha {i} beta"}], **long})
+        if i % 2
+        else ("completions", {"prompt": f"quick {i} brown fox", **long})
+        for i in range(slots)
+    }
+    log_a = tmp / "launch-a.log"
+    a = _launch(model, tmp / "run-a", repo, port, log_a, flags)
+    sock_a = tmp / "run-a" / "w1-connector.sock"
+    first: dict[str, Any] = {}
+
+    def run(k: str) -> None:
+        try:
+            first[k] = call(url, k, *bodies[k])
+        except Exception as exc:
+            first[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in bodies]
+    try:
+        _until(lambda: _healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
+        _until(lambda: (_agent_status(tmp / "run-a" / "w1.sock") or {}).get("canary"), 240, "the canary", a, log_a)
+        session.hold(str(sock_a), slots, timeout=300)  # every slot taken at once: a full batch
+        for t in threads:
+            t.start()
+        session.wait_until(str(sock_a), live=slots, min_outputs=8, timeout=300)
+        a.send_signal(signal.SIGTERM)  # a planned stop: the final checkpoint, then the worker
+        a.wait(300)
+        for t in threads:
+            t.join(300)
+    finally:
+        _kill_all(a, sock_a)
+    saved = [ln for ln in log_a.read_text().splitlines() if "checkpoint saved" in ln and "stop" in ln]
+    assert saved, log_a.read_text()[-3000:]
+    timings = json.loads(re.search(r"timings=(\{[^}]*\})", saved[-1]).group(1))  # type: ignore[union-attr]
+    duration = float(re.search(r"duration_s=([0-9.]+)", saved[-1]).group(1))  # type: ignore[union-attr]
+    print(f"the stop checkpoint at a full batch: {duration:.2f} s, {timings}")
+    assert timings["canary_s"] < 1.0, timings  # the recorded canary: no probe queued behind the batch
+    assert sum(timings.values()) == pytest.approx(duration, abs=0.01)
+    _, manifest = Repository.open(str(repo)).latest("w1")
+    assert manifest.canary is not None
+    assert len(manifest.ledger.data["requests"]) == slots  # type: ignore[union-attr]
+
+    log_b = tmp / "launch-b.log"
+    b = _launch(model, tmp / "run-b", repo, port, log_b, flags)
+    try:
+        _until(lambda: _healthy(url), 240, "the relaunched worker", b, log_b)
+        retries = Calls({k: partial(call, url, k, *bodies[k]) for k in bodies})
+        retries.start()
+        got = retries.join()
+        # the same engine's uninterrupted answers: the same requests under new ids, computed whole
+        fresh = Calls({k: partial(call, url, f"{k}-fresh", *bodies[k]) for k in bodies})
+        fresh.start()
+        want = fresh.join()
+    finally:
+        _kill_all(b, tmp / "run-b" / "w1-connector.sock")
+    for k in bodies:
+        assert got[k]["attach"] == "attached", (k, got[k]["attach"])
+        assert got[k]["choices"][0]["ids"] == want[k]["choices"][0]["ids"], k
+        assert got[k]["choices"][0]["finish"] == want[k]["choices"][0]["finish"] == "length", k
+        # before the stop: a call that returned got the whole answer (its stream finished while the
+        # final checkpoint was taken); every other one raised, and its retry above got it whole
+        if not isinstance(first[k], Exception):
+            assert first[k]["choices"][0]["ids"] == want[k]["choices"][0]["ids"], f"{k}: a short answer"
+    assert any(isinstance(x, Exception) for x in first.values()), "no stream was in flight at the stop"
 
 
 def _until_gone(pgid: int, timeout: float) -> float:

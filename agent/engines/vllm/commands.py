@@ -268,6 +268,8 @@ class VllmService(WorkerService):
             "load_failed_requests": sorted(self.load_failed),
             "step": self.step,
             "live": len(self.live),
+            # the worker's sequence slots: a request beyond them queues (the agent's canary probe)
+            "max_num_seqs": int(self.vllm_config.scheduler_config.max_num_seqs),
             "awaiting": len(self.offers.awaiting),
             "asked": self.offers.asked(),
             "coming": len(self.offers.coming),
