@@ -314,3 +314,52 @@ def test_a_request_the_engine_ended_reaches_its_client_as_an_error_it_retries_ne
     assert err is None
     assert [ro.outputs[0].finish_reason for ro in got] == [None, None, "length"]
     assert closed == ["r-abort", "r-length"]
+
+
+def test_requests_in_flight_end_when_the_engine_is_gone_never_hang() -> None:
+    """A dead engine core does not always end the requests waiting on it, and vLLM's server then
+    waits for their silent streams to close, for ever. The middleware watches the engine while
+    requests run: once vLLM's engine client says ``errored``, each request in flight is ended
+    (its HTTP task cancelled: the connection closes, or a 500 before the response started), so
+    its client retries at once; a request on a live engine is left alone."""
+    from agent.engines.vllm import middleware as mwmod
+
+    engine = SimpleNamespace(errored=False)
+    started = asyncio.Event()
+
+    async def silent_stream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        started.set()
+        await asyncio.Event().wait()  # the engine never answers again
+
+    async def scenario() -> tuple[bool, bool]:
+        mw = GpuckptMiddleware(silent_stream)
+        state = SimpleNamespace(_state={}, engine_client=engine, vllm_config=None)
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(b"content-length", b"2")],
+            "app": SimpleNamespace(state=state),
+        }
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(msg: dict[str, Any]) -> None:
+            pass
+
+        call = asyncio.create_task(mw(scope, receive, send))
+        await started.wait()
+        await asyncio.sleep(mwmod.ENGINE_POLL_S * 2.5)
+        alive_on_a_live_engine = not call.done()
+        engine.errored = True
+        await asyncio.wait({call}, timeout=mwmod.ENGINE_POLL_S * 30)  # (never cancels it itself)
+        ended = call.cancelled()
+        if not call.done():
+            call.cancel()
+        return alive_on_a_live_engine, ended
+
+    alive, ended = asyncio.run(scenario())
+    assert alive, "a request on a live engine was ended"
+    assert ended, "the request in flight was not ended when the engine went"

@@ -22,8 +22,10 @@ gpuckpt's: it starts in milliseconds and holds no secret.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -82,33 +84,26 @@ def _arm(parent: int) -> Callable[[], None]:
     return arm
 
 
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _ended(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` has ended (its pidfd reads as ready then)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
-def end_group(pgid: int, grace: float) -> bool:
-    """SIGTERM the group, wait up to ``grace`` seconds for it to be gone, then SIGKILL it.
-    Returns whether it had to be killed."""
-    try:
+def end_group(pgid: int, grace: float, leader: int | None = None) -> bool:
+    """SIGTERM the group, wait up to ``grace`` seconds for its first process (``leader``, a pidfd)
+    to end, then SIGKILL the whole group whatever remains. Returns whether the leader was still
+    there at the end of the grace."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not _alive(pgid):
-            return False
+    while time.monotonic() < deadline and not (leader is not None and _ended(leader)):
         time.sleep(POLL_S)
-    try:
+    lingered = leader is None or not _ended(leader)
+    # unconditionally: a group's liveness as kill(-pgid, 0) sees it is no proof of its end, and a
+    # process the leader left behind (an engine core) must not outlive the grace either
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
+    return lingered
 
 
 def main(argv: list[str]) -> int:
@@ -121,17 +116,22 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is launch's to handle
+    try:
+        leader: int | None = os.pidfd_open(pgid)  # the worker's first process: it leads its group
+    except ProcessLookupError:
+        leader = None  # already ended (and reaped): launch sees to it
+    except OSError:
+        leader = None  # no pidfd here: the grace is waited out whole
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came meanwhile lands now
     while not orphaned:
         if os.getppid() != parent:  # the parent-death signal's fallback
             break
-        if not _alive(pgid):
-            return 0  # launch ended the worker itself
+        if leader is not None and _ended(leader):
+            return 0  # the worker ended: launch reaps it and stops
         time.sleep(POLL_S)
     if os.getppid() == parent:
         return 0  # launch is alive: it stops the worker itself (SIGTERM came from someone else)
-    killed = end_group(pgid, grace)
-    if killed:
+    if end_group(pgid, grace, leader):
         print(
             f"gpuckpt watchdog: launch ({parent}) died; the worker (group {pgid}) did not stop within "
             f"{grace:g} s of SIGTERM and was killed",

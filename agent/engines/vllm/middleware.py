@@ -334,6 +334,34 @@ async def _never_aborted(outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[A
             await aclose()  # at once, as vLLM's own handler would (it aborts an unfinished request)
 
 
+#: how often the API server's watch looks whether its engine is still there, while requests run
+ENGINE_POLL_S = 1.0
+
+
+def _engine_gone(engine: Any) -> bool:
+    """Whether the API server's engine client says its engine is dead or stopped (vLLM's
+    ``errored``: the engine core died, or its output handler ended with the server's shutdown)."""
+    try:
+        return bool(getattr(engine, "errored", False))
+    except Exception:
+        return False
+
+
+async def _watch_engine(server: _Server) -> None:
+    """While requests run through the middleware, look every :data:`ENGINE_POLL_S` whether the
+    engine is gone; if it is, end each of them (its HTTP task is cancelled: the server closes the
+    connection, or answers 500 before a response started), so that its client retries at once.
+    A dead engine core does not always end the requests waiting on it, and vLLM's server then
+    waits for their streams, open and silent, to close — for ever, its clients with it."""
+    while True:
+        await asyncio.sleep(ENGINE_POLL_S)
+        if server.inflight and _engine_gone(server.engine):
+            log.error("gpuckpt: the engine is gone: ending %d requests in flight", len(server.inflight))
+            for task in list(server.inflight):
+                task.cancel()
+            server.inflight.clear()
+
+
 def _retryable(message: str) -> Exception:
     """vLLM's error for a request-level failure a client may retry (HTTP 503; in a stream, an
     error event, on which the ``openai`` client raises)."""
@@ -362,6 +390,10 @@ class _Server:
     #: (which releases them) until this ``time.monotonic()``
     hold_until: float = 0.0
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the engine client (vLLM's, unwrapped), and the HTTP tasks of the requests in flight here
+    engine: Any = None
+    inflight: set[asyncio.Task[Any]] = field(default_factory=set)
+    watch: asyncio.Task[None] | None = None
 
 
 class GpuckptMiddleware:
@@ -392,6 +424,7 @@ class GpuckptMiddleware:
             )
         ec = getattr(state, "engine_client", None)
         if ec is not None and not isinstance(ec, _Wrapped):
+            self._server.engine = ec
             wrapped = _Wrapped(ec, self._server.book)
             state.engine_client = wrapped
             # the handlers were built with the engine client: hand them the wrapper
@@ -446,10 +479,16 @@ class GpuckptMiddleware:
             await send(msg)
 
         tok = _CTX.set(call)
+        task = asyncio.current_task()
+        if task is not None and server.engine is not None:
+            server.inflight.add(task)
+            if server.watch is None or server.watch.done():
+                server.watch = asyncio.get_running_loop().create_task(_watch_engine(server))
         try:
             await self.app(scope, replay, send_with_outcome)
         finally:
             _CTX.reset(tok)
+            server.inflight.discard(task)
 
     async def _decide(
         self, server: _Server, endpoint: str, headers: dict[str, str], body: bytes
