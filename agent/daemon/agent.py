@@ -314,9 +314,11 @@ class Agent:
         full batch it queues until a sequence slot frees — the final checkpoint of a busy worker
         then missed its preemption notice. The background recorder (:meth:`_record_canary`)
         probes as soon as the worker is up; a checkpoint that finds no record for this worker
-        process waits :data:`CANARY_WAIT_S` at most, then goes without one (its manifest has no
-        canary: a restore of it is cold, and says so). An agent whose recorder is not running
-        (not started) probes here, as before."""
+        process waits for it while the worker has a free sequence slot — after
+        :data:`CANARY_WAIT_S` it asks the adapter, and stops waiting as soon as every slot is
+        taken, or after :data:`CANARY_WAIT_MAX_S` whatever it says — then goes without one (its
+        manifest has no canary: a restore of it is cold, and the log says so). An agent whose
+        recorder is not running (not started) probes here, as before."""
         if client is None:
             return None
         pid = self.engine.channel.ping().pid

@@ -11,10 +11,11 @@ So ``launch`` also starts this watchdog (:func:`start`), in a session of its own
 signal armed too. When ``launch`` dies — by any signal, SIGKILL and the OOM killer included — the
 watchdog sends SIGTERM to the worker's process group (the engine's own shutdown: vLLM ends the
 requests in flight, which gpuckpt's middleware turns into errors their clients retry), waits up to
-``grace`` seconds for the group to be gone, then SIGKILLs the whole group: no process of the worker
-is left, and every client connection it held is closed, so the clients retry at once. A ``launch``
-that stops the worker itself (SIGTERM to ``launch``: final checkpoint, then the worker) ends the
-watchdog after it; a watchdog whose worker group is gone exits by itself.
+``grace`` seconds for the worker's first process to end (followed by its pidfd), then SIGKILLs the
+whole group whatever remains: no process of the worker is left, and every client connection it
+held is closed, so the clients retry at once. A ``launch`` that stops the worker itself (SIGTERM to
+``launch``: final checkpoint, then the worker) ends the watchdog after it; a watchdog whose
+worker's first process ended exits by itself (``launch`` sees to the rest).
 
 Runs as ``python -m agent.daemon.watchdog LAUNCH_PID WORKER_PGID GRACE_S`` and imports nothing of
 gpuckpt's: it starts in milliseconds and holds no secret.
