@@ -1,7 +1,8 @@
 """`make bench-retries`: what a restart costs the clients, with gpuckpt and with a cold restart.
 
-Eight clients stream completions of ``--tokens`` tokens each (greedy and seeded) from a ``vllm
-serve`` worker (CPU build, a generated Llama, gpuckpt's connector and middleware). At
+Eight clients stream completions of ``--tokens`` tokens each (greedy and seeded; one asks for
+logprobs, one for a JSON document of a schema) from a ``vllm serve`` worker (CPU build, a
+generated Llama with a generated tokenizer, gpuckpt's connector and middleware). At
 ``--cut`` tokens each, the worker is checkpointed and SIGKILLed: every stream breaks. Then,
 measured from the moment the new worker's API answers, with each client retrying its call
 (same ``X-Request-Id``, same body) at once:
@@ -16,7 +17,7 @@ It prints each client's time to its complete answer, the ratio of the two restar
 last client; target ≤ 0.5), and the tokens the engine generated after the restart ÷ the tokens
 that were still missing at the cut (the engine's own ``vllm:generation_tokens_total``; target
 ≤ 1.05; a cold restart's is tokens ÷ (tokens - cut)). The gpuckpt answers are checked against
-the cold ones for the greedy requests.
+the cold ones for the greedy requests (the JSON document and the logprobs too).
 """
 
 from __future__ import annotations
@@ -43,13 +44,32 @@ from agent.engines.vllm.middleware import ATTACH_HEADER
 from agent.engines.vllm.serve import kv_transfer_config
 from agent.testing import ServeProcess
 from ckpt import Repository
+from tests.harness.models import write_tokenizer
 
 VOCAB = 2048
+#: the generated tokenizer's vocabulary (prompts stay inside it; the model's is larger)
+TOKENIZER_VOCAB = 500
+#: the JSON request's schema: an array of exactly 400 words (~800 tokens), in a fixed order
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "words": {
+            "type": "array",
+            "items": {"type": "string", "enum": ["alpha", "beta", "gamma", "delta"]},
+            "minItems": 400,
+            "maxItems": 400,
+        },
+        "kind": {"type": "string", "enum": ["x", "yy"]},
+    },
+    "required": ["words", "kind"],
+    "additionalProperties": False,
+}
 
 
 def stream(url: str, rid: str, body: dict[str, Any], t0: float, out: dict[str, Any], cut: int = 0) -> None:
     """One client call, streamed: its tokens, when it completed (from ``t0``), the attach header."""
     ids: list[int] = []
+    lps: list[float] = []
     try:
         with (
             httpx.Client(timeout=900) as h,
@@ -60,6 +80,8 @@ def stream(url: str, rid: str, body: dict[str, Any], t0: float, out: dict[str, A
                 if line.startswith("data: ") and line != "data: [DONE]":
                     for ch in json.loads(line[6:]).get("choices") or ():
                         ids += ch.get("token_ids") or []
+                        out["text"] = out.get("text", "") + (ch.get("text") or "")
+                        lps += (ch.get("logprobs") or {}).get("token_logprobs") or []
                         if ids and "first_s" not in out:
                             out["first_s"] = time.monotonic() - t0
                         if cut and len(ids) >= cut and "cut_s" not in out:
@@ -67,6 +89,7 @@ def stream(url: str, rid: str, body: dict[str, Any], t0: float, out: dict[str, A
         out["done_s"] = time.monotonic() - t0
     except httpx.HTTPError as exc:
         out["error"] = str(exc)
+    out["logprobs"] = lps
     out["ids"] = ids
 
 
@@ -87,22 +110,30 @@ def main() -> None:
     work = Path(a.workdir).resolve()
     run = work / time.strftime("retries-%Y%m%dT%H%M%S")
     run.mkdir(parents=True, mode=0o700)
-    model = str(make_model(work / "models", layers=4, hidden=512, heads=8, kv_heads=4, vocab=VOCAB, dtype="float32"))
+    path = make_model(work / "models-text", layers=4, hidden=512, heads=8, kv_heads=4, vocab=VOCAB, dtype="float32")
+    if not (path / "tokenizer.json").exists():  # its <s>, </s> are the model's bos 1, eos 2
+        write_tokenizer(path)
+    model = str(path)
     repo = Repository.open(str(run / "repo"), create=True)
     rng = random.Random(7)
-    system = [rng.randrange(3, VOCAB) for _ in range(200)]
+    system = [rng.randrange(3, TOKENIZER_VOCAB) for _ in range(200)]
     bodies = {}
     for i in range(a.requests):
         sampling: dict[str, Any] = {"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "seed": 100 + i}
+        if i == 2:
+            sampling["logprobs"] = 2
         bodies[f"client{i}"] = {
             "model": model,
-            "prompt": system + [rng.randrange(3, VOCAB) for _ in range(100 + 20 * i)],
+            "prompt": system + [rng.randrange(3, TOKENIZER_VOCAB) for _ in range(100 + 20 * i)],
             "max_tokens": a.tokens,
             "ignore_eos": True,
             "return_token_ids": True,
             "stream": True,
             **sampling,
         }
+        if i == 4:  # greedy, a JSON document of SCHEMA: it ends when the document does
+            del bodies[f"client{i}"]["ignore_eos"]
+            bodies[f"client{i}"]["structured_outputs"] = {"json": SCHEMA}
 
     def worker(name: str, **extra: Any) -> ServeProcess:
         sock, stage = str(run / f"{name}.sock"), str(run / f"stage-{name}")
@@ -112,7 +143,11 @@ def main() -> None:
             port=free_port(),
             log_path=str(run / f"{name}.log"),
             staging_dir=stage,
-            args=worker_args(max_model_len=2048),
+            args=[
+                *(x for x in worker_args(max_model_len=2048) if x != "--skip-tokenizer-init"),
+                "--structured-outputs-config",
+                json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+            ],
             env=WORKER_ENV,
             kv_config=kv_transfer_config(sock, stage, **extra),
         )
@@ -133,12 +168,22 @@ def main() -> None:
 
         session.hold(w.control_socket, len(bodies), timeout=300)
         when = {"live": len(bodies), "min_outputs": a.cut}
-        taken = session.checkpoint_around(w.control_socket, start, repo, "w0", canary=probe, when=when, timeout=900)
+        # as the agent does: the logprobs the server gave out for the captured outputs go in the ledger
+        taken = session.checkpoint_around(
+            w.control_socket,
+            start,
+            repo,
+            "w0",
+            canary=probe,
+            when=when,
+            timeout=900,
+            complete_ledger=w.client.complete_ledger,
+        )
         m = taken.manifest
         w.kill()
     assert m.ledger is not None
-    missing = sum(a.tokens - len(e["output_token_ids"]) for e in m.ledger.data["requests"])
-    print(f"checkpoint {m.id}: {len(m.ledger.data['requests'])} requests cut at {a.cut}+ tokens; {missing} missing")
+    cut_at = {e["client_request_id"]: len(e["output_token_ids"]) for e in m.ledger.data["requests"]}
+    print(f"checkpoint {m.id}: {len(cut_at)} requests cut at {a.cut}+ tokens")
 
     def clients(url: str) -> tuple[dict[str, dict[str, Any]], float]:
         t0 = time.monotonic()
@@ -169,16 +214,35 @@ def main() -> None:
             time.sleep(0.05)
         gen_c = generated(w.url) - g0
 
+    # what was still missing at the cut: each answer's length (the cold run's, the uninterrupted
+    # answer for the greedy ones; the JSON document ends before max_tokens) less what was captured
+    missing = sum(len(res_c[k]["ids"]) - cut_at[f"cmpl-{k}-0"] for k in bodies)
+    print(f"{missing} tokens missing at the cut")
     print(f"\nrestore plan (manifest, pages, canary) {plan_s:.2f} s")
     print(f"{'client':<10}{'gpuckpt first/done s':>22}{'cold first/done s':>20}  attach     same as cold")
     nan = float("nan")
     for k in bodies:
         b, c = res_b[k], res_c[k]
-        same = "yes" if b["ids"] == c["ids"] else "NO"
+        greedy = bodies[k].get("temperature") == 0.0
+        same = ("yes" if b["ids"] == c["ids"] else "NO") if greedy else "(seeded)"
         print(
             f"{k:<10}{b.get('first_s', nan):>12.2f}{b.get('done_s', nan):>10.2f}"
             f"{c.get('first_s', nan):>10.2f}{c.get('done_s', nan):>10.2f}  {b.get('attach')!s:<10} {same}"
         )
+    for k, body in bodies.items():
+        b, c = res_b[k], res_c[k]
+        if body.get("logprobs") is not None:
+            near = len(b["logprobs"]) == len(c["logprobs"]) and all(
+                abs(x - y) <= 1e-3 for x, y in zip(b["logprobs"], c["logprobs"], strict=True)
+            )
+            print(f"{k}: logprobs of {len(b['logprobs'])} of {len(b['ids'])} tokens; same as cold: {near}")
+        if "structured_outputs" in body:
+            try:
+                doc = json.loads(b.get("text", ""))
+                valid = len(doc["words"]) == 400 and doc["kind"] in ("x", "yy")
+            except (ValueError, KeyError, TypeError):
+                valid = False
+            print(f"{k}: a JSON document of the schema: {valid}; {len(b['ids'])} tokens")
     mean_b = sum(r["done_s"] for r in res_b.values()) / len(res_b)
     mean_c = sum(r["done_s"] for r in res_c.values()) / len(res_c)
     last_b, last_c = max(r["done_s"] for r in res_b.values()), max(r["done_s"] for r in res_c.values())

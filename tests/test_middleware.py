@@ -29,12 +29,14 @@ def test_ledger_ids_map_to_the_request_id_and_endpoint_a_retry_carries() -> None
     assert resubmitted_id("cmpl-x-0") == "cmpl-x-0"
 
 
-def test_body_digest_is_canonical_and_logprobs_are_not_attachable() -> None:
+def test_body_digest_is_canonical_and_what_is_not_carried_is_not_attachable() -> None:
     assert body_digest({"a": 1, "b": [1, 2]}) == body_digest({"b": [1, 2], "a": 1})
     assert body_digest({"a": 1}) != body_digest({"a": 2})
-    assert not_attachable({"logprobs": 2}) is not None
-    assert not_attachable({"logprobs": 0}) is not None, "a completion's logprobs=0 still returns logprobs"
-    assert not_attachable({"logprobs": True, "top_logprobs": 0}) is not None
+    # a request's own logprobs are carried (the API server records them for the checkpoint) …
+    assert not_attachable({"logprobs": 2}) is None
+    assert not_attachable({"logprobs": True, "top_logprobs": 3}) is None
+    # … its prompt's and an echoed prompt are not
+    assert not_attachable({"prompt_logprobs": 1}) is not None
     assert not_attachable({"echo": True}) is not None
     assert not_attachable({"logprobs": False, "temperature": 0}) is None
 
@@ -363,3 +365,157 @@ def test_requests_in_flight_end_when_the_engine_is_gone_never_hang() -> None:
     alive, ended = asyncio.run(scenario())
     assert alive, "a request on a live engine was ended"
     assert ended, "the request in flight was not ended when the engine went"
+
+
+def _lp(tid: int, v: float) -> dict[int, Any]:
+    """One token's logprobs as vLLM gives them: the sampled token first, then a top one."""
+    Logprob = pytest.importorskip("vllm.logprobs").Logprob
+    return {tid: Logprob(v, 1, f"t{tid}"), tid + 100: Logprob(float("-inf"), 2, None)}
+
+
+def test_logprobs_are_recorded_as_served_and_an_attached_retry_gets_them_all() -> None:
+    """A request that asked for logprobs and wants one response at the end: the engine is asked for
+    deltas (only those show its logprobs while it runs), its client still gets one response, whole;
+    the logprobs are recorded, and the agent's ``logprobs`` call gets the first ones its capture
+    held (waiting for those the server has yet to stream). A restored continuation kept with the
+    checkpoint's logprobs of the earlier tokens serves a retry every token's logprobs, in order;
+    one kept without them serves a retry that asks for logprobs anew."""
+    vo = pytest.importorskip("vllm.outputs")
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from agent.engines.vllm import middleware as mwmod
+    from agent.engines.vllm.continuations import Logprobs, encode_position
+
+    asked: list[Any] = []
+
+    class Engine:
+        renderer = SimpleNamespace(tokenizer=None)
+
+        def generate(self, prompt: Any, sp: Any, rid: str, *a: Any, **kw: Any) -> Any:
+            asked.append(sp.output_kind)
+
+            async def outs() -> Any:
+                for i, tid in enumerate((5, 6, 7)):
+                    await asyncio.sleep(0.01)
+                    out = vo.CompletionOutput(
+                        0, "", [tid], None, [_lp(tid, -0.5 * (i + 1))], "length" if i == 2 else None
+                    )
+                    yield vo.RequestOutput(rid, None, [1, 2], None, [out], i == 2)
+
+            return outs()
+
+    async def scenario() -> tuple[list[Any], Logprobs, Any, Any]:
+        logs = Logprobs()
+        wrapped = mwmod._Wrapped(Engine(), Book(), logs)
+        sp = SamplingParams(logprobs=1, max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
+        waiting = asyncio.create_task(logs.wait([("chatcmpl-a", 1, 3), ("chatcmpl-none", 1, 1)], 5.0))
+        got = [ro async for ro in wrapped.generate({"prompt_token_ids": [1, 2]}, sp, "chatcmpl-a")]
+        return got, logs, await waiting, await logs.wait([("chatcmpl-a", 1, 5)], 0.1)
+
+    got, _, first, short = asyncio.run(scenario())
+    assert asked == [RequestOutputKind.DELTA]
+    assert len(got) == 1, "one response at the end, as the client asked"
+    assert got[0].outputs[0].token_ids == [5, 6, 7]
+    assert [list(p) for p in got[0].outputs[0].logprobs] == [[5, 105], [6, 106], [7, 107]]
+    assert first["chatcmpl-a"] == [
+        [[5, -0.5, 1, "t5"], [105, None, 2, None]],
+        [[6, -1.0, 1, "t6"], [106, None, 2, None]],
+        [[7, -1.5, 1, "t7"], [107, None, 2, None]],
+    ]
+    assert first["chatcmpl-none"] is None, "not recorded: its checkpoint carries none"
+    assert short["chatcmpl-a"] is None, "a request that ended short of the count never has them"
+
+    # the continuation: 2 earlier tokens (the checkpoint's, with their logprobs), 2 new
+    async def replay(with_earlier: bool) -> tuple[list[Any], str | None]:
+        book = Book()
+        api = {"endpoint": "chat", "body": "b", "tenant": "", "n": 1}
+        earlier = [encode_position(_lp(3, -0.1)), encode_position(_lp(4, -0.2))] if with_earlier else None
+        kept = book.register("chatcmpl-r", api, [1, 2, 3, 4], 2, earlier)
+        assert kept is not None
+        cont, ch = kept
+        ch.new, ch.new_lps = [5, 6], [encode_position(_lp(5, -0.3)), encode_position(_lp(6, -0.4))]
+        ch.finish_reason, ch.done = "length", True
+        wrapped = mwmod._Wrapped(Engine(), book, Logprobs())
+        sp = SamplingParams(logprobs=1, max_tokens=4, output_kind=RequestOutputKind.DELTA)
+        call = mwmod._Call("attach", cont=cont)
+        why = wrapped._check(call, [1, 2], sp)
+        if why is not None:
+            return [], why
+        return [o async for ro in wrapped._replay(call, sp, "chatcmpl-retry") for o in ro.outputs], None
+
+    outs, why = asyncio.run(replay(True))
+    assert why is None
+    assert [t for o in outs for t in o.token_ids] == [3, 4, 5, 6]
+    served = [
+        (t, pos[t].logprob, pos[t].decoded_token) for o in outs for t, pos in zip(o.token_ids, o.logprobs, strict=True)
+    ]
+    assert served == [(3, -0.1, "t3"), (4, -0.2, "t4"), (5, -0.3, "t5"), (6, -0.4, "t6")]
+    assert all(
+        pos[t + 100].logprob == float("-inf") for o in outs for t, pos in zip(o.token_ids, o.logprobs, strict=True)
+    )
+    _, why = asyncio.run(replay(False))
+    assert why == "the logprobs of its tokens before the checkpoint are not carried"
+
+
+def test_the_checkpoint_carries_logprobs_the_server_gave_and_says_why_not() -> None:
+    """``carry_logprobs`` puts each logprobs request's positions in its ledger entry; a request the
+    server gave none for (or not one per output, or a server that did not answer) carries none and
+    its ``api`` says why, so the agent leaves it to its client. A ledger entry whose logprobs are
+    malformed is never served from."""
+    from agent.engines.vllm.continuations import encode_position
+    from agent.engines.vllm.ledger import NO_LOGPROBS, carry_logprobs, make_ledger, resubmissions
+
+    def entry(cid: str, outputs: int, logprobs: int | None = 1) -> dict[str, Any]:
+        return {
+            "request_id": cid + "-abcdefgh",
+            "client_request_id": cid,
+            "prompt_token_ids": [1, 2],
+            "output_token_ids": list(range(10, 10 + outputs)),
+            "num_computed_tokens": 1 + outputs,
+            "max_tokens": 10,
+            "remaining_max_tokens": 10 - outputs,
+            "min_tokens": 0,
+            "sampling": {"temperature": 0.0, "logprobs": logprobs},
+            "structured_outputs": None,
+            "exact": True,
+            "inexact_reasons": [],
+            "cache_salt": None,
+            "lora": None,
+            "priority": 0,
+            "arrival_time": 0.0,
+            "api": {"endpoint": "chat", "body": "b", "tenant": "", "n": 1, "unattachable": None},
+        }
+
+    pos = encode_position(_lp(10, -0.25))
+    ledger = make_ledger(
+        [entry("chatcmpl-a", 2), entry("chatcmpl-b", 2), entry("chatcmpl-c", 1, None)], step=1, block_size=16
+    )
+    asked: list[Any] = []
+
+    def fetch(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+        asked.extend(reqs)
+        return {"chatcmpl-a": [pos, pos], "chatcmpl-b": [pos]}  # b: not one per output
+
+    done = carry_logprobs(ledger, fetch)
+    assert asked == [{"id": "chatcmpl-a", "n": 1, "outputs": 2}, {"id": "chatcmpl-b", "n": 1, "outputs": 2}]
+    by = {e["client_request_id"]: e for e in done.data["requests"]}
+    assert by["chatcmpl-a"]["logprobs"] == [pos, pos]
+    assert "logprobs" not in by["chatcmpl-b"]
+    assert by["chatcmpl-b"]["api"]["unattachable"] == NO_LOGPROBS
+    assert by["chatcmpl-c"] == entry("chatcmpl-c", 1, None), "a request without logprobs is untouched"
+    subs = {r.request_id: r for r in resubmissions(done)}
+    assert subs["chatcmpl-a"].logprobs == [pos, pos]
+    assert subs["chatcmpl-b"].api is not None
+    assert subs["chatcmpl-b"].api["unattachable"] == NO_LOGPROBS
+
+    def down(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+        raise OSError("connection refused")
+
+    by = {e["client_request_id"]: e for e in carry_logprobs(ledger, down).data["requests"]}
+    assert "connection refused" in by["chatcmpl-a"]["api"]["unattachable"]
+    # a planted or damaged entry: positions that are not what the server gives
+    bad = make_ledger([{**entry("chatcmpl-a", 2), "logprobs": [[["x", 1, 1, "t"]], pos]}], step=1, block_size=16)
+    (r,) = resubmissions(bad)
+    assert r.logprobs is None
+    assert r.api is not None
+    assert "malformed" in r.api["unattachable"]

@@ -82,7 +82,7 @@ class Agent:
         self.preempted: dict[str, Any] | None = None
         self._canary: tuple[int, dict[str, Any]] | None = None  # (worker pid, record)
         self._canary_recorder = False  # the background recorder runs (start)
-        self._client: ServingClient | None = None  # for the canary, made at the first checkpoint
+        self._client: ServingClient | None = None  # the worker's API (canary, logprobs), made once
         self._api: ApiServer | None = None
         self._metrics_server: Any = None
 
@@ -247,7 +247,9 @@ class Agent:
                     timeout=c.capture_timeout.total_seconds(),
                     max_staging=c.max_staging,
                     copy_per_step=c.copy_per_step,
-                    canary=self._canary_record(client),
+                    canary=self._canary_record(client if self.cfg.checkpoint.canary else None),
+                    # vLLM's server: the logprobs it gave out for the captured requests
+                    complete_ledger=getattr(client, "complete_ledger", None),
                     deadline=deadline,
                     progress=progress,
                     on_captured=captured,
@@ -301,9 +303,9 @@ class Agent:
         self._retention()
 
     def _serving_client(self) -> ServingClient | None:
-        """The worker's API client for the canary (``None``: no canary), made once and kept: a final
+        """The worker's API client (``None``: no ``worker_url``), made once and kept: a final
         checkpoint must not build one."""
-        if self._client is None and self.cfg.worker_url and self.cfg.checkpoint.canary:
+        if self._client is None and self.cfg.worker_url:
             self._client = self.engine.client(self.cfg.worker_url)
         return self._client
 

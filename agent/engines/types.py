@@ -269,6 +269,10 @@ class Resubmission:
     #: (vLLM: ``{"grammar": the structured-output settings its grammar was compiled under}``), which
     #: the engine's ``judged_on`` holds against the worker's layout; never sent to the worker
     needs: dict[str, Any] | None = None
+    #: the logprobs of ``output_token_ids`` as the checkpoint carried them (one position per token,
+    #: :func:`agent.engines.vllm.continuations.encode_position`): handed to the worker's server with
+    #: the resubmission, so that a retry asking for logprobs is served them whole
+    logprobs: list[Any] | None = None
 
     @classmethod
     def left(cls, request_id: str, why: str, api: dict[str, Any] | None = None) -> Resubmission:

@@ -22,7 +22,7 @@ from agent.engines.control import ControlError
 from agent.engines.types import Capture, CaptureStats, Checkpointed, CheckpointStats, PrecopyStats, Staging
 from agent.session.capture import capture
 from agent.session.worker import WorkerLike, describe, host_pins, reach
-from ckpt import Block, BlocksMissing, Existing, Pins, Repository
+from ckpt import Block, BlocksMissing, Existing, Ledger, Pins, Repository
 from ckpt.save import SaveOptions, SaveProgress
 
 __all__ = ["CheckpointOptions", "checkpoint", "precopy"]
@@ -39,8 +39,9 @@ class CheckpointOptions:
     Engine's name), ``timeout`` for each control call of the capture, ``when`` to capture,
     ``max_staging`` and ``copy_per_step`` (the worker's settings when unset). The checkpoint's:
     ``trust_domain`` (default: the worker itself), ``labels``, the canary (``generate`` or a
-    ``canary`` record), ``deadline`` and ``cancel``, and the caller's hooks ``progress`` and
-    ``on_captured``."""
+    ``canary`` record), ``deadline`` and ``cancel``, and the caller's hooks ``progress``,
+    ``on_captured`` and ``complete_ledger`` (what only the worker's server knows of the captured
+    requests — vLLM: the logprobs it gave out — added to the ledger before it is saved)."""
 
     labels: Mapping[str, str] | None = None
     timeout: float = 60.0
@@ -51,6 +52,7 @@ class CheckpointOptions:
     cancel: threading.Event | None = None
     progress: Callable[[SaveProgress], None] | None = None
     on_captured: Callable[[CaptureStats], None] | None = None
+    complete_ledger: Callable[[Ledger], Ledger] | None = None
     max_staging: int | None = None
     copy_per_step: int | None = None
     trust_domain: str | None = None
@@ -126,6 +128,9 @@ def checkpoint(
     while True:
         try:
             t0 = time.monotonic()
+            ledger = cap.ledger
+            if ledger is not None and opts.complete_ledger is not None:
+                ledger = opts.complete_ledger(ledger)
             layout = {
                 **desc.layout,
                 "page_shape": cap.stats["page_shape"],
@@ -142,7 +147,7 @@ def checkpoint(
                 namespace=desc.in_domain(opts.trust_domain or worker_id),
                 pins=Pins(host=host_pins(desc), worker=desc.facts),
                 layout=layout,
-                ledger=cap.ledger,
+                ledger=ledger,
                 labels=labels,
                 canary=canary,
                 deadline=opts.deadline,

@@ -13,15 +13,15 @@ from openai import OpenAI, omit
 
 from agent.engines.vllm.middleware import ATTACH_HEADER
 
-__all__ = ["Calls", "call", "checkpoint_during", "generated"]
+__all__ = ["Calls", "call", "checkpoint_during", "generated", "logprobs", "same_logprobs"]
 
 
 def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1") -> dict[str, Any]:
     """One API call as a client makes it, with the ``openai`` client: chat or completions, streamed
     or not as ``body`` says; vLLM's own fields (``return_token_ids``, ``ignore_eos``,
     ``structured_outputs``, ``prompt_embeds``, …) go in ``extra_body``, as vLLM's docs tell its
-    users. Returns the choices' text, tool calls' arguments and token ids, finish reasons, and
-    gpuckpt's attach header."""
+    users. Returns the choices' text, tool calls' arguments and token ids, finish reasons, logprobs
+    (``(token, logprob, {top token: logprob})`` per output token), and gpuckpt's attach header."""
     client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
     rest = dict(body)
     stream = bool(rest.pop("stream", False))
@@ -35,7 +35,8 @@ def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1
     out: dict[str, Any] = {"choices": {}}
 
     def take(ch: Any, text: str | None, tool_calls: Any = None) -> None:
-        c = out["choices"].setdefault(ch.index, {"text": "", "ids": [], "finish": None, "tools": ""})
+        c = out["choices"].setdefault(ch.index, {"text": "", "ids": [], "finish": None, "tools": "", "logprobs": []})
+        c["logprobs"] += logprobs(ch.logprobs)
         c["text"] += text or ""
         c["tools"] += "".join((t.function.arguments or "") for t in tool_calls or () if t.function)
         c["ids"] += getattr(ch, "token_ids", None) or []  # vLLM's field, beside the API's
@@ -54,6 +55,35 @@ def call(url: str, rid: str, endpoint: str, body: dict[str, Any], key: str = "k1
                 else:
                     take(ch, ch.message.content, ch.message.tool_calls)
     return out
+
+
+def logprobs(lp: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """A choice's (or a chunk's) logprobs, chat's or completions', as ``(token, logprob, top)``,
+    ``top`` in the response's order."""
+    if lp is None:
+        return []
+    if getattr(lp, "content", None) is not None:  # chat
+        return [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs or ()]) for c in lp.content]
+    tops = lp.top_logprobs or [None] * len(lp.tokens or ())
+    return [
+        (t, v, list((top or {}).items()))
+        for t, v, top in zip(lp.tokens or (), lp.token_logprobs or (), tops, strict=True)
+    ]
+
+
+def same_logprobs(got: list[Any], want: list[Any], tol: float = 1e-3) -> str | None:
+    """Why two answers' logprobs differ (``None``: the same tokens, values within ``tol`` — a
+    continuation computes the same numbers in another batch, within float rounding)."""
+    if len(got) != len(want):
+        return f"{len(got)} positions, not {len(want)}"
+    for i, ((t1, v1, top1), (t2, v2, top2)) in enumerate(zip(got, want, strict=True)):
+        if t1 != t2 or abs(v1 - v2) > tol:
+            return f"position {i}: {(t1, v1)} != {(t2, v2)}"
+        if [t for t, _ in top1] != [t for t, _ in top2] or any(
+            abs(a - b) > tol for (_, a), (_, b) in zip(top1, top2, strict=True)
+        ):
+            return f"position {i}: top {top1} != {top2}"
+    return None
 
 
 def generated(url: str) -> float:

@@ -45,7 +45,7 @@ from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
 from agent.testing import ServeProcess
 from ckpt import Repository
 from tests.harness.cli import CLI
-from tests.harness.clients import Calls, call, checkpoint_during, generated
+from tests.harness.clients import Calls, call, checkpoint_during, generated, same_logprobs
 from tests.harness.models import CHAT_TEMPLATE
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
@@ -123,6 +123,12 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
         "logprobs": (
             "completions",
             {"prompt": words(30), "temperature": 0.0, "max_tokens": N, "logprobs": 2, **NOEOS, "stream": True},
+            1,
+        ),
+        # the top logprobs of a chat answer, in one response at the end
+        "chatlp": (
+            "chat",
+            {"messages": chat(16), "temperature": 0.0, "max_tokens": N, "logprobs": True, "top_logprobs": 3, **NOEOS},
             1,
         ),
         "stopstr": (
@@ -275,7 +281,9 @@ def retried(
         b_early = module_cleanup.enter_context(worker(model, tmp, "b", cpu=1, extra=RESTORE_FOLLOWS))
         probe = canary.record(a.client.generate)
         calls = {k: partial(call, a.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()}
-        m, ref = checkpoint_during(a, calls, repo, live=sum(n for _, _, n in reqs.values()), canary=probe)
+        # as the agent does: the logprobs the server gave out for the captured outputs go in the ledger
+        live = sum(n for _, _, n in reqs.values())
+        m, ref = checkpoint_during(a, calls, repo, live=live, canary=probe, complete_ledger=a.client.complete_ledger)
         out["checkpoint"], out["reference"] = m, ref
         a.kill()
     with b_early as b:
@@ -338,10 +346,7 @@ def retrying(url: str, rid: str, endpoint: str, body: dict[str, Any]) -> dict[st
 
 
 #: the retries a restore leaves to be computed anew, and the header that says why
-LEFT = {
-    "logprobs": "new: logprobs of the tokens before the checkpoint are not carried",
-    "embeds": "new: its prompt embeddings are not carried by the ledger",
-}
+LEFT = {"embeds": "new: its prompt embeddings are not carried by the ledger"}
 
 
 def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: dict[str, Any]) -> None:
@@ -351,6 +356,7 @@ def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: d
         "0_chatcmpl-twice",
         "1_chatcmpl-twice",
         "cmpl-logprobs-0",
+        "chatcmpl-chatlp",
         "cmpl-stopstr-0",
         "chatcmpl-json",
         "chatcmpl-penalised",
@@ -375,6 +381,15 @@ def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: d
         assert len(e["output_token_ids"]) >= 40, "checkpointed mid-decode"
         assert e["api"]["endpoint"] == ("completions" if cid.startswith("cmpl") else "chat")
         assert len(e["api"]["body"]) == len(e["api"]["tenant"]) == 64
+        # the logprobs the server gave out for the captured outputs: one position per output, the
+        # sampled token first, then as many top ones as were asked for (or one more: the sampled)
+        if e["sampling"].get("logprobs") is not None:
+            assert len(e["logprobs"]) == len(e["output_token_ids"]), cid
+            for tok, pos in zip(e["output_token_ids"], e["logprobs"], strict=True):
+                assert pos[0][0] == tok, cid
+                assert len(pos) in (e["sampling"]["logprobs"] + 1, e["sampling"]["logprobs"]), (cid, pos)
+        else:
+            assert "logprobs" not in e, cid
 
 
 #: what the retry of the request whose grammar state could not be applied is told
@@ -394,6 +409,16 @@ def test_each_retry_gets_the_whole_uninterrupted_answer(retried: dict[str, Any])
             assert got["choices"][i]["text"] == c["text"], f"{k} choice {i}: text differs"
             assert got["choices"][i]["tools"] == c["tools"], f"{k} choice {i}: tool call differs"
             assert got["choices"][i]["finish"] == c["finish"], k
+            # every token's logprobs, the checkpoint's and the continuation's: those it was given
+            assert (why := same_logprobs(got["choices"][i]["logprobs"], c["logprobs"])) is None, (k, i, why)
+    for k in ("logprobs", "chatlp"):
+        lps = retried["retries"][k]["choices"][0]["logprobs"]
+        assert len(lps) == len(retried["reference"][k]["choices"][0]["ids"]), k
+        # chat: the 3 asked for; completions: up to the 2 asked for and the sampled token, keyed
+        # by their text (the sampled token is one of the top ones, and tokens of one text are one key)
+        assert (
+            all(len(top) == 3 for _, _, top in lps) if k == "chatlp" else all(1 <= len(top) <= 3 for _, _, top in lps)
+        ), k
     doc = json.loads(retried["retries"]["json"]["choices"][0]["text"])
     assert len(doc["words"]) == 30
     assert doc["kind"] in ("x", "yy", "zzz")
@@ -420,18 +445,17 @@ def test_a_continuation_whose_grammar_could_not_be_applied_never_reaches_a_clien
 
 def test_the_missing_tokens_are_generated_once(retried: dict[str, Any]) -> None:
     resumed = retried["resumed"]
-    # the logprobs request's retry cannot be served from a continuation, and the ledger does not
-    # carry the embeddings request's input: each is left to its retry, which computes it whole
-    assert "logprobs" in resumed["cmpl-logprobs-0"].left_to_client
+    # the ledger does not carry the embeddings request's input: it is left to its retry, which
+    # computes it whole (the logprobs requests are continued: their logprobs are carried)
     assert "embeddings" in resumed["cmpl-embeds-0"].left_to_client
-    for cid in ("cmpl-logprobs-0", "cmpl-embeds-0"):
-        assert resumed[cid].token_ids == []
+    assert resumed["cmpl-embeds-0"].token_ids == []
+    assert resumed["cmpl-logprobs-0"].left_to_client is None
     # and the request whose continuation was dropped is computed anew by its retry
-    again = sum(len(retried["reference"][k]["choices"][0]["ids"]) for k in ("logprobs", "embeds", VOIDED))
+    again = sum(len(retried["reference"][k]["choices"][0]["ids"]) for k in ("embeds", VOIDED))
     assert retried["generated"] == sum(len(c.token_ids) for c in resumed.values()) + again
     for e in retried["checkpoint"].ledger.data["requests"]:
         cid = e["client_request_id"]
-        if cid in ("cmpl-logprobs-0", f"chatcmpl-{VOIDED}"):
+        if cid == f"chatcmpl-{VOIDED}":
             continue
         m = re.match(r"^(?:(\d+)_)?(?:chatcmpl-(.+)|cmpl-(.+)-0)$", cid)
         assert m is not None, cid
@@ -512,6 +536,7 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
     ref: dict[str, Any] = {}
     try:
         _until(lambda: _healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
+        from agent.engines.vllm.middleware import token_path
         from agent.engines.vllm.serve import ServeClient
 
         probe = canary.record(ServeClient(url).generate)
@@ -533,7 +558,11 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
         session.hold(str(sock_a), live, timeout=300)
         when = {"live": live, "min_outputs": 40}
         r = Repository.open(str(repo))
-        m = session.checkpoint_around(str(sock_a), start, r, "w1", canary=probe, when=when, timeout=300).manifest
+        # the agent's hook (its daemon passes the same): the logprobs the server gave out
+        serving = ServeClient(url, token_file=token_path(str(sock_a)))
+        m = session.checkpoint_around(
+            str(sock_a), start, r, "w1", canary=probe, when=when, timeout=300, complete_ledger=serving.complete_ledger
+        ).manifest
         for t in threads:
             t.join(600)
         assert not errors, errors
@@ -578,18 +607,16 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
     assert rr["outcome"] == "warm", rr
     assert rr["checkpoint"] == m.id
     assert sorted(rr["requests"]) == sorted(e["client_request_id"] for e in m.ledger.data["requests"])
-    # reported per request: the one whose retry cannot be served from a continuation is left to it
-    assert list(rr["left_to_client"]) == ["cmpl-logprobs-0"]
+    # every request continued, the logprobs one too (its logprobs carried)
+    assert not rr.get("left_to_client"), rr["left_to_client"]
     assert not rr.get("inexact"), rr["inexact"]
     for k, want in ref.items():
         got = retries[k]
-        expected = (
-            "new: logprobs of the tokens before the checkpoint are not carried" if k == "logprobs" else "attached"
-        )
-        assert got["attach"] == expected, (k, got["attach"])
+        assert got["attach"] == "attached", (k, got["attach"])
         for i, c in want["choices"].items():
             assert (got["choices"][i]["ids"], got["choices"][i]["text"]) == (c["ids"], c["text"]), (k, i)
             assert got["choices"][i]["finish"] == c["finish"], (k, i)
+            assert (why := same_logprobs(got["choices"][i]["logprobs"], c["logprobs"])) is None, (k, i, why)
 
 
 @pytest.mark.parametrize("killed", ["launch", "engine core"])

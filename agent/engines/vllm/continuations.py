@@ -9,9 +9,11 @@ the API server's event loop only (no locking).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from collections import OrderedDict
@@ -27,6 +29,16 @@ MAX_BYTES = 256 << 20
 KEEP_S = 600.0
 #: bytes counted per kept token (ids in Python lists, generously)
 TOKEN_BYTES = 16
+#: bytes counted per kept token's logprobs (a few top entries in Python lists, generously)
+POSITION_BYTES = 256
+#: recorded logprobs of requests in flight, by default (``logprobs_max_bytes``), and how long those
+#: of a finished request stay for a checkpoint that captured it (``logprobs_keep_s``)
+LOGPROBS_MAX_BYTES = 64 << 20
+LOGPROBS_KEEP_S = 120.0
+
+#: one output token's logprobs: ``[[token id, logprob (None: -inf), rank, decoded text], …]`` — the
+#: sampled token's first, then the top ones, as vLLM gives them
+Position = list[list[Any]]
 
 
 def body_digest(body: Mapping[str, Any]) -> str:
@@ -41,10 +53,9 @@ def tenant_digest(authorization: str | None) -> str:
 
 def not_attachable(body: Mapping[str, Any]) -> str | None:
     """Why a request's retry cannot be served from a continuation, whatever it continues (the
-    response would need what the checkpoint does not carry)."""
-    lp = body.get("logprobs")
-    if (lp is not None and lp is not False) or body.get("top_logprobs"):
-        return "logprobs of the tokens before the checkpoint are not carried"
+    response would need what the checkpoint does not carry). A request's ``logprobs`` and
+    ``top_logprobs`` are carried (:class:`Logprobs`: the API server records them, the checkpoint
+    keeps them); those of its prompt, and its echoed prompt, are not."""
     if body.get("prompt_logprobs") is not None:
         return "prompt logprobs are not carried"
     if body.get("echo"):
@@ -84,6 +95,11 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     done: bool = False
+    #: the logprobs of ``earlier`` (one position per token, :func:`encode_position`), as the
+    #: checkpoint carried them; ``None``: not carried (a retry asking for logprobs is served anew)
+    earlier_lps: list[Position] | None = None
+    #: the continuation's own, one per token of ``new`` (when the resubmission asked for them)
+    new_lps: list[Position] = field(default_factory=list)
 
     def tokens(self) -> list[int]:
         return self.earlier + self.new
@@ -95,6 +111,22 @@ class Choice:
         """The output tokens from position ``i`` on (without copying the whole output)."""
         e = len(self.earlier)
         return self.new[i - e :] if i >= e else self.earlier[i:] + self.new
+
+    def has_logprobs(self) -> bool:
+        """Every output token so far has its logprobs (the checkpoint's and the continuation's)."""
+        return (
+            self.earlier_lps is not None
+            and len(self.earlier_lps) == len(self.earlier)
+            and (len(self.new_lps) == len(self.new))
+        )
+
+    def logprobs(self, i: int, j: int) -> list[Position]:
+        """The logprobs of output tokens ``i`` to ``j``."""
+        e = len(self.earlier)
+        out = list((self.earlier_lps or [])[i : min(j, e)]) if i < e else []
+        if j > e:
+            out += self.new_lps[max(i, e) - e : j - e]
+        return out
 
 
 @dataclass
@@ -123,7 +155,9 @@ class Continuation:
         return len(self.choices) == self.n and all(c.done for c in self.choices.values())
 
     def cost(self) -> int:
-        return TOKEN_BYTES * sum(len(c.prompt_ids) + len(c.earlier) + len(c.new) for c in self.choices.values())
+        tokens = sum(len(c.prompt_ids) + len(c.earlier) + len(c.new) for c in self.choices.values())
+        positions = sum(len(c.earlier_lps or ()) + len(c.new_lps) for c in self.choices.values())
+        return TOKEN_BYTES * tokens + POSITION_BYTES * positions
 
 
 class Book:
@@ -187,17 +221,23 @@ class Book:
         cont.notify()
 
     def register(
-        self, cid: str, api: dict[str, Any], all_ids: list[int], prompt_len: int
+        self,
+        cid: str,
+        api: dict[str, Any],
+        all_ids: list[int],
+        prompt_len: int,
+        earlier_lps: list[Position] | None = None,
     ) -> tuple[Continuation, Choice] | None:
         """The continuation and choice a resubmission of ledger entry ``cid`` fills (``None``: not
-        kept, counted)."""
+        kept, counted); ``earlier_lps``: the logprobs of its earlier outputs, as the checkpoint
+        carried them."""
         n = int(api.get("n") or 1)
         parsed = parse_id(cid, n)
         if parsed is None:
             self.count("not_kept_id")
             return None
         base, endpoint, index = parsed
-        need = TOKEN_BYTES * len(all_ids)
+        need = TOKEN_BYTES * len(all_ids) + POSITION_BYTES * len(earlier_lps or ())
         self.sweep(need)
         if self.bytes() + need > self.max_bytes:
             self.count("not_kept_bytes")
@@ -209,6 +249,8 @@ class Book:
             cont = Continuation(base, endpoint, dict(api), n)
             self.items[key] = cont
         ch = Choice(index, list(all_ids[:prompt_len]), list(all_ids[prompt_len:]))
+        if earlier_lps is not None and len(earlier_lps) == len(ch.earlier):
+            ch.earlier_lps = list(earlier_lps)
         cont.choices[index] = ch
         cont.engine_ids.append(cid)
         if len(cont.choices) >= cont.n:
@@ -217,6 +259,125 @@ class Book:
         self.arrived = asyncio.Event()
         self.count("kept")
         return cont, ch
+
+
+def encode_position(position: Mapping[int, Any] | None) -> Position:
+    """One token's logprobs as vLLM gives them (``{token id: Logprob}``) in plain JSON values; a
+    logprob of -inf (a token a grammar or a bias excluded) is ``None``."""
+    out: Position = []
+    for tid, lp in (position or {}).items():
+        v = float(lp.logprob)
+        out.append([int(tid), v if math.isfinite(v) else None, lp.rank, lp.decoded_token])
+    return out
+
+
+def valid_positions(value: Any, count: int) -> list[Position] | None:
+    """``value`` as ``count`` encoded positions (:func:`encode_position`), or ``None`` if it is not
+    exactly that — what a checkpoint's ledger or a resubmission carries is checked before it is
+    served to anyone."""
+    if not isinstance(value, list) or len(value) != count:
+        return None
+    for pos in value:
+        if not isinstance(pos, list):
+            return None
+        for e in pos:
+            if not (
+                isinstance(e, list)
+                and len(e) == 4
+                and isinstance(e[0], int)
+                and (e[1] is None or (isinstance(e[1], float | int) and math.isfinite(e[1])))
+                and (e[2] is None or isinstance(e[2], int))
+                and (e[3] is None or isinstance(e[3], str))
+            ):
+                return None
+    return value
+
+
+@dataclass
+class _Recorded:
+    positions: dict[int, list[Position]] = field(default_factory=dict)  # by choice index
+    ended: float | None = None
+    dropped: bool = False  # over the bound: never served from (incomplete)
+
+
+class Logprobs:
+    """The logprobs the API server has streamed to the clients of requests in flight, by request
+    and choice, so that a checkpoint can carry those of its requests' earlier outputs (the engine
+    core that the checkpoint captures never keeps them). Bounded in bytes: a request that does
+    not fit is dropped whole (its checkpoint then carries none, and its retry is served anew);
+    a finished request's go :data:`LOGPROBS_KEEP_S` after it ended."""
+
+    def __init__(self, *, max_bytes: int = LOGPROBS_MAX_BYTES, keep_s: float = LOGPROBS_KEEP_S) -> None:
+        self.max_bytes, self.keep_s = max_bytes, keep_s
+        self.items: OrderedDict[str, _Recorded] = OrderedDict()
+        self.size = 0
+        self.changed = asyncio.Event()
+
+    def start(self, request_id: str) -> None:
+        """A request that asked for logprobs reached the engine: from now on a checkpoint that
+        captured it waits for its logprobs (:meth:`wait`)."""
+        self._sweep()
+        self.items[request_id] = _Recorded()
+
+    def add(self, request_id: str, index: int, positions: list[Position]) -> None:
+        r = self.items.get(request_id)
+        if r is None:
+            self._sweep()
+            r = self.items[request_id] = _Recorded()
+        if r.dropped or not positions:
+            return
+        need = POSITION_BYTES * len(positions)
+        if self.size + need > self.max_bytes:
+            self._sweep(need)
+        if self.size + need > self.max_bytes:
+            self.size -= POSITION_BYTES * sum(len(p) for p in r.positions.values())
+            r.positions.clear()
+            r.dropped = True
+            log.warning("gpuckpt: logprobs of %s not recorded: over %d bytes", request_id, self.max_bytes)
+            return
+        r.positions.setdefault(index, []).extend(positions)
+        self.size += need
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def end(self, request_id: str) -> None:
+        if (r := self.items.get(request_id)) is not None:
+            r.ended = time.monotonic()
+            self.changed.set()
+            self.changed = asyncio.Event()
+
+    def _sweep(self, need: int = 0) -> None:
+        now = time.monotonic()
+        for k, r in list(self.items.items()):
+            if r.ended is not None and (now - r.ended > self.keep_s or self.size + need > self.max_bytes):
+                self.size -= POSITION_BYTES * sum(len(p) for p in r.positions.values())
+                del self.items[k]
+
+    def first(self, cid: str, n: int, count: int) -> list[Position] | bool | None:
+        """The first ``count`` positions of ledger entry ``cid`` (a choice's own id when ``n`` > 1);
+        ``True``: not yet (the API server lags the engine), ``None``: never (not recorded, dropped,
+        or the request ended short of them)."""
+        base, index = cid, 0
+        if n > 1 and (m := _CHILD.match(cid)):
+            base, index = m.group("rest"), int(m.group("choice"))
+        r = self.items.get(base)
+        if r is None or r.dropped:
+            return None
+        got = r.positions.get(index, [])
+        if len(got) >= count:
+            return got[:count]
+        return None if r.ended is not None else True
+
+    async def wait(self, wanted: list[tuple[str, int, int]], wait_s: float) -> dict[str, list[Position] | None]:
+        """:meth:`first` of each ``(cid, n, count)``, waiting (at most ``wait_s``) for those the API
+        server has not streamed yet."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = {cid: self.first(cid, n, k) for cid, n, k in wanted}
+            if not any(v is True for v in out.values()) or (left := deadline - time.monotonic()) <= 0:
+                return {cid: (v if isinstance(v, list) else None) for cid, v in out.items()}
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), left)
 
 
 def _metric(what: str, n: int) -> None:

@@ -26,7 +26,12 @@ entry per request the scheduler held at the captured step boundary::
              "n": choices, "unattachable": why a retry cannot be served
              from the continuation | null} | absent — version 3: the
              API-level facts gpuckpt's middleware (:mod:`.middleware`)
-             recorded, so a client's retry can be matched to this entry}
+             recorded, so a client's retry can be matched to this entry,
+     "logprobs": [[[token id, logprob (null: -inf), rank, text], …] per
+                  output token] | absent — a request that asked for
+                  logprobs: those of its outputs, as the API server gave them
+                  (added by the agent after the capture, :func:`carry_logprobs`;
+                  without them its retry is served anew)}
 
 and, where the capture held requests whose input the ledger cannot carry
 (prompt embeddings, images, audio, video: :func:`uncarried_input`),
@@ -81,14 +86,18 @@ import base64
 import binascii
 import dataclasses
 import json
+import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from agent.engines.types import Resubmission, token_digest
+from agent.engines.vllm.continuations import valid_positions
 from ckpt import Ledger
 from ckpt.errors import FormatError
+
+log = logging.getLogger("gpuckpt.vllm")
 
 SCHEMA = "gpuckpt-vllm-ledger"
 VERSION = 3
@@ -166,6 +175,51 @@ def resubmitted_id(cid: str) -> str:
     :func:`agent.engines.vllm.serve.header_request_id`."""
     m = re.match(r"^cmpl-(?P<base>.+)-0$", cid)
     return cid if m else f"cmpl-{cid}-0"
+
+
+def wants_logprobs(entry: Mapping[str, Any]) -> bool:
+    """The request asked for logprobs, and its client's retry could be served from its
+    continuation (it came through gpuckpt's middleware, nothing else rules the retry out)."""
+    api = entry.get("api")
+    return (
+        (entry.get("sampling") or {}).get("logprobs") is not None
+        and isinstance(api, dict)
+        and not api.get("unattachable")
+        and bool(entry.get("output_token_ids"))
+    )
+
+
+#: why a logprobs request's retry is served anew when its checkpoint lacks its earlier logprobs
+NO_LOGPROBS = "the logprobs of its tokens before the checkpoint are not carried"
+
+
+def carry_logprobs(ledger: Ledger, fetch: Callable[[list[dict[str, Any]]], Mapping[str, Any]]) -> Ledger:
+    """``ledger`` with the logprobs of each logprobs request's captured outputs, as ``fetch`` (the
+    worker's API server, which streamed them: ``[{"id", "n", "outputs"}, …]`` → ``{id: positions
+    | None}``) gives them. An entry that gets none, or not exactly one position per output,
+    carries none: its ``api`` says why its retry is served anew (:data:`NO_LOGPROBS`), and the
+    agent leaves it to its client instead of computing a continuation nobody can collect."""
+    data = ledger.data if isinstance(ledger.data, dict) else None
+    wanted = [e for e in (data or {}).get("requests") or () if isinstance(e, dict) and wants_logprobs(e)]
+    if not wanted:
+        return ledger
+    ask = [
+        {"id": e["client_request_id"], "n": int(e["api"].get("n") or 1), "outputs": len(e["output_token_ids"])}
+        for e in wanted
+    ]
+    why = NO_LOGPROBS
+    try:
+        got = dict(fetch(ask))
+    except Exception as exc:  # the checkpoint goes on without them; each retry is served anew
+        log.warning("gpuckpt: the logprobs of %d requests were not fetched: %s", len(ask), exc)
+        got, why = {}, f"{NO_LOGPROBS} (the API server did not give them: {str(exc)[:120]})"
+    entries = []
+    for e in data["requests"] if data else ():
+        if isinstance(e, dict) and wants_logprobs(e):
+            lps = valid_positions(got.get(e["client_request_id"]), len(e["output_token_ids"]))
+            e = {**e, "logprobs": lps} if lps is not None else {**e, "api": {**e["api"], "unattachable": why}}
+        entries.append(e)
+    return ledger.model_copy(update={"data": {**(data or {}), "requests": entries}})
 
 
 def api_facts(sp: Any) -> dict[str, Any] | None:
@@ -510,6 +564,13 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
         reasons = list(e.get("inexact_reasons") or [])
         if "exact" not in e:  # a version-1 ledger did not judge its requests
             reasons = inexact_reasons({**e, "structured_outputs": None}, RunnerFacts())
+        api = e.get("api")
+        lps = None
+        if wants_logprobs(e):
+            lps = valid_positions(e.get("logprobs"), len(e["output_token_ids"]))
+            if lps is None:  # not carried (the server did not give them), or not one per output
+                why = NO_LOGPROBS if e.get("logprobs") is None else f"{NO_LOGPROBS} (its entry's are malformed)"
+                api = {**(api or {}), "unattachable": why}
         out.append(
             Resubmission(
                 request_id=e["client_request_id"],
@@ -521,8 +582,9 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 cache_salt=e["cache_salt"],
                 exact=not reasons,
                 reasons=tuple(reasons),
-                api=e.get("api"),
+                api=api,
                 needs=needs,
+                logprobs=lps,
             )
         )
     for e in left_entries(ledger):

@@ -8,7 +8,7 @@ completions endpoints (``POST /v1/chat/completions``, ``POST /v1/completions``):
 1. **Records the API-level facts** of every request the engine will see — the
    endpoint, a digest of the body and one of the ``Authorization`` header (the
    tenant), ``n`` and why its retry could not be served from a continuation
-   (``unattachable``: it asked for logprobs, say) — by adding them to the
+   (``unattachable``: it asked for prompt logprobs, say) — by adding them to the
    body's ``vllm_xargs`` (``gpuckpt_api``). They reach the engine as
    ``SamplingParams.extra_args`` and so the checkpoint's ledger
    (:func:`agent.engines.vllm.ledger.api_facts`): the engine core never sees the
@@ -29,9 +29,14 @@ completions endpoints (``POST /v1/chat/completions``, ``POST /v1/completions``):
    prompt + the tokens it already delivered, ``docs/router-contract.md``) is
    served the rest after those tokens, once they are verified against the
    continuation. Anything that does not match — another body under a reused
-   id, another tenant, tokens that differ, a request that asked for logprobs
-   (those of the tokens before the checkpoint are not carried) — is served as
-   a new request, and the response header ``X-Gpuckpt-Attach`` says why.
+   id, another tenant, tokens that differ, a request that asked for prompt
+   logprobs (not carried) — is served as a new request, and the response
+   header ``X-Gpuckpt-Attach`` says why.
+4. **Records the logprobs** of every request that asked for them, as they are
+   produced (``POST /gpuckpt/v1/logprobs``: the agent takes those of the
+   outputs its capture holds into the checkpoint's ledger — the engine core
+   never keeps them), and serves an attached retry the checkpoint's logprobs of
+   the earlier tokens, then the continuation's own.
 
 **Holding retries for a restore.** A worker started with a restore to follow
 (``retry_hold_s`` in ``kv_connector_extra_config``: ``gpuckpt launch`` sets it
@@ -73,14 +78,20 @@ from typing import Any
 
 from agent.engines.vllm.continuations import (
     KEEP_S,
+    LOGPROBS_KEEP_S,
+    LOGPROBS_MAX_BYTES,
     MAX_BYTES,
     Book,
     Choice,
     Continuation,
+    Logprobs,
+    Position,
     body_digest,
+    encode_position,
     not_attachable,
     parse_id,
     tenant_digest,
+    valid_positions,
 )
 from agent.engines.vllm.ledger import API_XARG, VOID_PARAM
 
@@ -88,6 +99,13 @@ log = logging.getLogger("gpuckpt.middleware")
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 EXPECT_PATH = "/gpuckpt/v1/expect"
+LOGPROBS_PATH = "/gpuckpt/v1/logprobs"
+#: the resubmission body's field with the logprobs of its earlier outputs (the checkpoint's):
+#: taken out of the body here, never seen by vLLM
+LOGPROBS_FIELD = "gpuckpt_logprobs"
+#: how long the agent's ``logprobs`` call waits, at most, for the API server to have streamed the
+#: tokens the checkpoint captured (it lags the engine on a busy host)
+LOGPROBS_WAIT_S = 10.0
 RESUBMIT_HEADER = "x-gpuckpt-resubmit"
 TOKEN_HEADER = "x-gpuckpt-token"  # noqa: S105 - a header name
 REISSUE_HEADER = "x-gpuckpt-reissue"
@@ -118,6 +136,7 @@ class _Call:
     cont: Continuation | None = None
     choice: Choice | None = None
     offset: int = 0  # reissue: the tokens the router already delivered
+    earlier_lps: list[Position] | None = None  # resubmit: the checkpoint's logprobs of the outputs
 
 
 class _Wrapped:
@@ -125,8 +144,8 @@ class _Wrapped:
     current HTTP request (``_CTX``) is an attached retry, and teed into one when it is a resubmission;
     every other attribute is the engine client's."""
 
-    def __init__(self, inner: Any, book: Book) -> None:
-        self._inner, self._book = inner, book
+    def __init__(self, inner: Any, book: Book, logs: Logprobs | None = None) -> None:
+        self._inner, self._book, self._logs = inner, book, logs
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -135,6 +154,8 @@ class _Wrapped:
         call = _CTX.get()
         real: Callable[..., Any] = self._inner.generate
         if call is None or call.kind == "new":  # "new": the middleware already said why not
+            if self._logs is not None and getattr(sampling_params, "logprobs", None) is not None:
+                return _never_aborted(self._recorded(real, prompt, sampling_params, request_id, args, kw))
             return _never_aborted(real(prompt, sampling_params, request_id, *args, **kw))
         try:
             ids = _prompt_ids(prompt)
@@ -165,12 +186,65 @@ class _Wrapped:
             return f"{cont.n - len(cont.choices)} of its {cont.n} choices finished before the checkpoint"
         if any(c.prompt_ids != ids for c in cont.choices.values()):
             return "its prompt renders to other tokens than the checkpointed request's"
+        if getattr(sp, "logprobs", None) is not None and any(c.earlier_lps is None for c in cont.choices.values()):
+            return "the logprobs of its tokens before the checkpoint are not carried"
         return None
+
+    async def _recorded(
+        self, real: Any, prompt: Any, sp: Any, request_id: str, args: Any, kw: Any
+    ) -> AsyncGenerator[Any, None]:
+        """A request that asked for logprobs, as vLLM serves it, with the logprobs of its outputs
+        recorded as they are produced (a checkpoint carries those of the outputs it captured). A
+        request that wants one response at the end gets it, merged here from deltas: only deltas
+        show its logprobs while it runs."""
+        # late: the agent's process imports this module without vLLM installed
+        from vllm.sampling_params import RequestOutputKind
+
+        logs = self._logs
+        assert logs is not None
+        kind = getattr(sp, "output_kind", RequestOutputKind.DELTA)
+        engine_sp = sp
+        if kind == RequestOutputKind.FINAL_ONLY:
+            engine_sp = sp.clone()
+            engine_sp.output_kind = RequestOutputKind.DELTA
+        whole = getattr(engine_sp, "output_kind", None) == RequestOutputKind.CUMULATIVE
+        seen: dict[int, int] = {}
+        logs.start(request_id)
+        inner = real(prompt, engine_sp, request_id, *args, **kw)
+        merged = None
+        try:
+            async for ro in inner:
+                for out in getattr(ro, "outputs", ()) or ():
+                    lps = getattr(out, "logprobs", None)
+                    if lps is None:
+                        continue
+                    fresh = list(lps)[seen.get(out.index, 0) :] if whole else list(lps)
+                    seen[out.index] = seen.get(out.index, 0) + len(fresh)
+                    try:
+                        logs.add(request_id, int(out.index), [encode_position(p) for p in fresh])
+                    except Exception:  # recording never fails the request
+                        log.exception("gpuckpt: recording logprobs of %s", request_id)
+                if engine_sp is sp:
+                    yield ro
+                elif merged is None:
+                    merged = ro
+                else:
+                    merged.add(ro, aggregate=True)
+            if merged is not None:
+                yield merged
+        finally:
+            logs.end(request_id)
+            if (aclose := getattr(inner, "aclose", None)) is not None:
+                await aclose()
 
     def _resubmit(
         self, call: _Call, ids: list[int] | None, real: Any, prompt: Any, sp: Any, args: Any, kw: Any
     ) -> AsyncGenerator[Any, None]:
-        kept = self._book.register(call.cid, call.api, ids, call.prompt_len) if ids is not None and call.api else None
+        kept = (
+            self._book.register(call.cid, call.api, ids, call.prompt_len, call.earlier_lps)
+            if ids is not None and call.api
+            else None
+        )
         cont, ch = kept if kept is not None else (None, None)
         call.outcome = "kept" if kept is not None else "new: not kept (no API facts, or over the bound)"
         engine_sp = sp
@@ -197,6 +271,8 @@ class _Wrapped:
                     elif ch is not None and cont is not None:
                         for out in ro.outputs:
                             ch.new.extend(int(t) for t in out.token_ids)
+                            if out.logprobs is not None:
+                                ch.new_lps.extend(encode_position(p) for p in out.logprobs)
                             if out.finish_reason is not None:
                                 ch.finish_reason, ch.stop_reason, ch.done = out.finish_reason, out.stop_reason, True
                         cont.notify()
@@ -223,9 +299,16 @@ class _Wrapped:
         ``offset`` on, detokenized by vLLM's own incremental detokenizer primed with the prompt
         (stop strings and ``min_tokens`` judged over the whole output, across the checkpoint)."""
         # late: vLLM is there only in the API server's process (see above)
+        from vllm.logprobs import Logprob
         from vllm.outputs import CompletionOutput, RequestOutput
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+        def decoded(positions: list[Position]) -> list[dict[int, Logprob]]:
+            return [
+                {int(t): Logprob(float("-inf") if v is None else float(v), rank, text) for t, v, rank, text in pos}
+                for pos in positions
+            ]
 
         cont = call.cont
         assert cont is not None
@@ -247,6 +330,8 @@ class _Wrapped:
                 "stop": None,
             }
         prompt_ids = chosen[0].prompt_ids if chosen and chosen[0] else []
+        # the checkpoint's logprobs of the earlier outputs, then the continuation's (``_check``)
+        with_logprobs = getattr(sp, "logprobs", None) is not None
         stopped_early: list[int] = []
         last: dict[int, Any] = {}  # each choice's latest output (cumulative kinds yield them all)
         while True:
@@ -284,13 +369,16 @@ class _Wrapped:
                     ids, text = list(all_ids), st["detok"].get_next_output_text(finished, False)
                 if delta and not ids and not text and not finished:
                     continue
+                # the logprobs of exactly the tokens given (a re-issue's count from its offset)
+                start = call.offset + (st["emitted"] if delta else 0)
+                lps = decoded(c.logprobs(start, start + len(ids))) if with_logprobs else None
                 st["emitted"] = len(all_ids)
                 last[c.index] = CompletionOutput(
                     index=c.index,
                     text=text,
                     token_ids=list(ids),
                     cumulative_logprob=None,
-                    logprobs=None,
+                    logprobs=lps,
                     finish_reason=st["finish"],
                     stop_reason=st["stop"],
                 )
@@ -390,6 +478,8 @@ class _Server:
     #: (which releases them) until this ``time.monotonic()``
     hold_until: float = 0.0
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the logprobs streamed to clients of requests in flight, for the agent's checkpoint
+    logprobs: Logprobs = field(default_factory=Logprobs)
     #: the engine client (vLLM's, unwrapped), and the HTTP tasks of the requests in flight here
     engine: Any = None
     inflight: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -421,11 +511,15 @@ class GpuckptMiddleware:
                 _write_token(extra),
                 float(extra.get("continuations_wait_s", WAIT_S)),
                 hold_until=time.monotonic() + hold if hold > 0 else 0.0,
+                logprobs=Logprobs(
+                    max_bytes=int(extra.get("logprobs_max_bytes", LOGPROBS_MAX_BYTES)),
+                    keep_s=float(extra.get("logprobs_keep_s", LOGPROBS_KEEP_S)),
+                ),
             )
         ec = getattr(state, "engine_client", None)
         if ec is not None and not isinstance(ec, _Wrapped):
             self._server.engine = ec
-            wrapped = _Wrapped(ec, self._server.book)
+            wrapped = _Wrapped(ec, self._server.book, self._server.logprobs)
             state.engine_client = wrapped
             # the handlers were built with the engine client: hand them the wrapper
             for obj in list(getattr(state, "_state", {}).values()):
@@ -443,7 +537,11 @@ class GpuckptMiddleware:
                 server = self._setup(scope["app"])
             except Exception:
                 log.exception("gpuckpt: middleware set-up")
-        ours = scope.get("type") == "http" and scope.get("method") == "POST" and (endpoint or path == EXPECT_PATH)
+        ours = (
+            scope.get("type") == "http"
+            and scope.get("method") == "POST"
+            and (endpoint or path in (EXPECT_PATH, LOGPROBS_PATH))
+        )
         if server is None or not ours:
             await self.app(scope, receive, send)
             return
@@ -451,6 +549,8 @@ class GpuckptMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if path == EXPECT_PATH:
             return await _expect(server, headers, body, send)
+        if path == LOGPROBS_PATH:
+            return await _logprobs(server, headers, body, send)
         try:
             call, new_body = await self._decide(server, endpoint or "", headers, body)
         except _Refuse as r:
@@ -518,6 +618,8 @@ class GpuckptMiddleware:
                 # the original request's facts: a retry matches them after another checkpoint too
                 api = {**api, "prompt_tokens": int(api.get("prompt_tokens", info.get("prompt_len", 0)))}
             call = _Call("resubmit", cid=str(info["id"]), api=api, prompt_len=int(api.get("prompt_tokens") or 0))
+            lps = doc.pop(LOGPROBS_FIELD, None)
+            call.earlier_lps = valid_positions(lps, len(lps)) if isinstance(lps, list) else None
             facts = api or facts
         elif REISSUE_HEADER in headers and endpoint == "completions" and (base := headers.get("x-request-id")):
             call = await self._reissue(server, base, tenant, doc)
@@ -629,6 +731,23 @@ async def _expect(server: _Server, headers: dict[str, str], body: bytes, send: A
             server.book.expected[parsed[:2]] = deadline
             n += 1
     await _json(send, 200, {"expected": n})
+
+
+async def _logprobs(server: _Server, headers: dict[str, str], body: bytes, send: Any) -> None:
+    """``POST /gpuckpt/v1/logprobs`` (the agent, with the token, after a capture):
+    ``{"requests": [{"id": ledger client id, "n": choices, "outputs": count}, …]}`` →
+    ``{"logprobs": {id: [the first ``count`` positions] | null}}``, waiting (bounded) for the
+    tokens this server has yet to stream; ``null``: not recorded (its checkpoint does not carry
+    them, and its retry is served anew)."""
+    if not _authentic(server, headers):
+        return await _json(send, 403, {"error": {"message": "gpuckpt: logprobs needs this worker's token"}})
+    try:
+        doc = json.loads(body)
+        wanted = [(str(r["id"]), int(r.get("n") or 1), int(r["outputs"])) for r in doc["requests"]]
+        wait_s = min(float(doc.get("wait_s", LOGPROBS_WAIT_S)), 60.0)
+    except (ValueError, KeyError, TypeError) as exc:
+        return await _json(send, 400, {"error": {"message": f"gpuckpt: bad logprobs body: {exc}"}})
+    await _json(send, 200, {"logprobs": await server.logprobs.wait(wanted, wait_s)})
 
 
 def _renew_hold(server: _Server, hold_s: float) -> float:

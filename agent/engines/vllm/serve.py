@@ -52,8 +52,16 @@ import httpx
 from agent import fs
 from agent.engines.serving import NO_KEEPALIVE, Completion, ServeError, check_response, split_left
 from agent.engines.types import Resubmission
-from agent.engines.vllm.ledger import SAMPLING_FIELDS
-from agent.engines.vllm.middleware import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
+from agent.engines.vllm.ledger import SAMPLING_FIELDS, carry_logprobs
+from agent.engines.vllm.middleware import (
+    EXPECT_PATH,
+    LOGPROBS_FIELD,
+    LOGPROBS_PATH,
+    LOGPROBS_WAIT_S,
+    RESUBMIT_HEADER,
+    TOKEN_HEADER,
+)
+from ckpt import Ledger
 
 log = logging.getLogger("gpuckpt.serve")
 
@@ -217,6 +225,7 @@ class ServeClient:
         on_tokens: Callable[[list[int]], None] | None = None,
         stream: bool = True,
         headers: dict[str, str] | None = None,
+        extra_body: dict[str, Any] | None = None,
     ) -> Completion:
         """One completion of ``prompt_token_ids``; ``request_id`` becomes ``X-Request-Id``.
 
@@ -236,6 +245,7 @@ class ServeClient:
             body["cache_salt"] = cache_salt
         if priority:
             body["priority"] = priority
+        body.update(extra_body or {})
         rid = request_id or f"gpuckpt-{uuid.uuid4().hex}"
         token = self.token()
         # the agent's own requests (the canary) are never taken for a client's retry: not held
@@ -326,6 +336,29 @@ class ServeClient:
         check_response(r)
         return int(r.json().get("expected", 0))
 
+    def logprobs(self, requests: list[dict[str, Any]], wait_s: float = LOGPROBS_WAIT_S) -> dict[str, Any]:
+        """The logprobs the worker's server gave out for these requests' first outputs
+        (``[{"id": ledger client id, "n", "outputs": count}, …]`` → ``{id: positions | None}``),
+        waiting at most ``wait_s`` for outputs it has yet to stream; :class:`ServeError` without
+        gpuckpt's middleware or its token."""
+        token = self.token()
+        if token is None:
+            raise ServeError("no resubmission token: the worker's server has no gpuckpt middleware")
+        r = self._http.post(
+            LOGPROBS_PATH,
+            json={"requests": requests, "wait_s": wait_s},
+            headers={TOKEN_HEADER: token},
+            timeout=wait_s + 30.0,
+        )
+        check_response(r)
+        got = r.json().get("logprobs")
+        return got if isinstance(got, dict) else {}
+
+    def complete_ledger(self, ledger: Ledger) -> Ledger:
+        """A captured ledger with what only the worker's server knows of its requests: the logprobs
+        of their outputs so far (:func:`agent.engines.vllm.ledger.carry_logprobs`)."""
+        return carry_logprobs(ledger, self.logprobs)
+
     def release(self) -> None:
         """Nothing will be resubmitted: the worker's middleware stops holding possible retries
         (``retry_hold_s``, set when a restore was to follow its start)."""
@@ -395,6 +428,9 @@ class ServeClient:
                     priority=r.priority,
                     headers=extra(r),
                     stream=stream,
+                    # the checkpoint's logprobs of the earlier outputs, for the retry (the
+                    # middleware takes them out of the body; only with its token)
+                    extra_body={LOGPROBS_FIELD: r.logprobs} if token is not None and r.logprobs is not None else None,
                 )
                 for r in reqs
             }
