@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -474,3 +475,51 @@ def test_the_restore_report_names_each_request_that_is_not_an_exact_continuation
         {"s": Completion("s", [1]), "g": Completion("g", [2])},
     )
     assert Restored("ck", plan, done).inexact() == {"s": list(s.reasons), "g": [late]}
+
+
+def test_a_request_that_cannot_continue_exactly_is_computed_again_from_its_prompt() -> None:
+    """A request whose earlier outputs need a state the restoring worker cannot give (a seeded one
+    on a worker with speculative decoding, here) is never continued from them without it: the
+    agent's resubmission computes it again from its original prompt under its own parameters and
+    budget — whoever is served it gets an answer an uninterrupted worker gives — and the report
+    says so. An exact one continues; one whose ledger does not say its budget is left to its
+    client."""
+    from agent.engines.serving import Completion
+    from agent.engines.types import RECOMPUTED
+    from agent.session.resubmit import resubmit
+
+    led = make_ledger(
+        [
+            entry(client_request_id="s", sampling={"temperature": 1.0, "seed": 7, "max_tokens": 10, "min_tokens": 5}),
+            entry(client_request_id="g", sampling={"temperature": 0.0, "max_tokens": 10}),
+        ],
+        step=1,
+        block_size=32,
+    )
+    s, g = judged_on(resubmissions(led), {"speculative": "ngram"})
+    assert not s.exact
+    assert g.exact
+    sent: list[Any] = []
+
+    class Client:
+        def submit(self, requests: Any) -> dict[str, Completion]:
+            sent.extend(requests)
+            return {r.request_id: Completion(r.request_id, [9] * r.sampling["max_tokens"]) for r in requests}
+
+    done = resubmit(Client(), [s, g])  # type: ignore[arg-type]
+    rs, rg = sent
+    assert rs.token_ids == [1, 2, 3], "from its prompt, not prompt + earlier outputs"
+    assert rs.output_token_ids == []
+    assert (rs.sampling["max_tokens"], rs.sampling["min_tokens"]) == (10, 5), "its whole original budget"
+    assert rs.sampling["seed"] == 7
+    assert rs.reasons[-1] == RECOMPUTED
+    assert rg.token_ids == [1, 2, 3, 4, 5]
+    assert rg.sampling["max_tokens"] == 8
+    summary = done.summaries()
+    assert summary["s"]["output_tokens"] == 10, "the recomputed answer is the whole answer"
+    assert RECOMPUTED in summary["s"]["reasons"]
+    assert summary["g"]["output_tokens"] == 10
+    # a ledger that does not say the budget: left to its client
+    left = dataclasses.replace(s, budget=None).from_prompt()
+    assert left.left_to_client is not None
+    assert "cannot continue exactly" in left.left_to_client

@@ -273,6 +273,38 @@ class Resubmission:
     #: :func:`agent.engines.vllm.continuations.encode_position`): handed to the worker's server with
     #: the resubmission, so that a retry asking for logprobs is served them whole
     logprobs: list[Any] | None = None
+    #: the request's original budget as sampling fields (vLLM: ``max_tokens``, ``min_tokens``; a
+    #: ``None`` value: the field was not given), which a recomputation from its prompt puts back
+    #: (:meth:`from_prompt`); ``None``: the ledger does not say
+    budget: dict[str, Any] | None = None
+
+    def from_prompt(self) -> Resubmission:
+        """This request as it is resubmitted when it cannot continue exactly (``reasons``): computed
+        again from its original prompt under its own parameters — its seed, penalties, grammar,
+        budget, from their start — never continued from its earlier outputs without a state they
+        need, so that whoever is served it (its client's retry, attached) gets an answer an
+        uninterrupted worker gives. Its prompt's pages are still restored. Without its budget
+        (the ledger does not say it) it is left to its client. Unchanged: a request that is
+        exact, left already, or has no earlier outputs."""
+        if self.exact or self.left_to_client is not None or not self.output_token_ids:
+            return self
+        if self.budget is None:
+            return Resubmission.left(
+                self.request_id, f"it cannot continue exactly ({'; '.join(self.reasons)})", self.api
+            )
+        sampling = {**self.sampling, **self.budget}
+        for k, v in self.budget.items():
+            if v is None:
+                del sampling[k]
+        return dataclasses.replace(
+            self,
+            token_ids=self.token_ids[: self.num_prompt_tokens],
+            output_token_ids=[],
+            sampling=sampling,
+            needs=None,
+            logprobs=None,
+            reasons=(*self.reasons, RECOMPUTED),
+        )
 
     @classmethod
     def left(cls, request_id: str, why: str, api: dict[str, Any] | None = None) -> Resubmission:
@@ -289,6 +321,10 @@ class Resubmission:
             api=api,
             left_to_client=why,
         )
+
+
+#: the last of the reasons of a request that is computed again from its prompt (:meth:`Resubmission.from_prompt`)
+RECOMPUTED = "recomputed from its prompt: not continued from its earlier outputs without what they need"
 
 
 def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:

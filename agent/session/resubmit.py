@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.engines.serving import Completion
-from agent.engines.types import RestorePlan, Resubmission, ServingClient, token_digest
+from agent.engines.types import RECOMPUTED, RestorePlan, Resubmission, ServingClient, token_digest
 from agent.session.worker import WorkerLike, channel_of
 
 __all__ = ["Continuation", "Restored", "Resubmitted", "resubmit", "unapplied_states"]
@@ -134,14 +134,24 @@ def resubmit(
     watches its streams: the clients' retries do). With ``worker``, a request
     whose carried state the worker never applied is reported a cold replay, and one whose state
     it could not apply is left to its client, the continuation dropped
-    (:func:`unapplied_states`). The client's errors propagate.
+    (:func:`unapplied_states`). A request that cannot continue exactly (``reasons``: a state its
+    earlier outputs need cannot be had here) is computed again from its prompt instead
+    (:meth:`Resubmission.from_prompt`): whoever is served it gets an answer an uninterrupted
+    worker gives. The client's errors propagate.
     """
+    requests = [r.from_prompt() for r in requests]
     outs = dict(client.submit(requests) if stream is None else client.submit(requests, stream=stream))
     unapplied, voided = unapplied_states(worker) if worker is not None else ({}, {})
     for rid, why in voided.items():
         if rid in outs:  # the continuation was dropped: its client's retry computes the request anew
             outs[rid] = Completion(rid, left_to_client=f"its continuation was dropped: {why}")
-    conts = tuple(Continuation(r, outs[r.request_id], (*r.reasons, *unapplied.get(r.request_id, []))) for r in requests)
+    # a request computed again from its prompt claims none of its states (they were its earlier outputs')
+    conts = tuple(
+        Continuation(
+            r, outs[r.request_id], (*r.reasons, *([] if RECOMPUTED in r.reasons else unapplied.get(r.request_id, [])))
+        )
+        for r in requests
+    )
     return Resubmitted(conts, outs)
 
 

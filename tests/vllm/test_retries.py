@@ -234,6 +234,9 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
 #: the request whose carried grammar state the test makes unappliable: the agent resubmits it
 #: under another constraint, which rejects its earlier outputs
 VOIDED = "regex"
+#: the seeded request the test judges unable to continue exactly: computed again from its prompt
+RECOMPUTE = "topp"
+WITHHELD = "seeded sampling: the sampler state is carried on a warm restore only"
 
 
 def prompt_embeds(rng: random.Random, n: int, hidden: int = 256) -> str:
@@ -294,10 +297,14 @@ def retried(
         out["plan"] = plan
         g0 = generated(b.url)
         # one request's grammar state made unappliable: resubmitted under a constraint that rejects
-        # its earlier outputs, as a ledger whose grammar facts were corrupt would have it
+        # its earlier outputs, as a ledger whose grammar facts were corrupt would have it; and one
+        # judged unable to continue exactly (its generator state withheld, as a cold restore has
+        # it), which the agent's path computes again from its prompt (session.resubmit)
         requests = [
             dataclasses.replace(r, sampling={**r.sampling, "structured_outputs": {"regex": "(zeta)+"}})
             if r.request_id == f"chatcmpl-{VOIDED}"
+            else dataclasses.replace(r, exact=False, reasons=(WITHHELD,)).from_prompt()
+            if r.request_id == f"chatcmpl-{RECOMPUTE}"
             else r
             for r in plan.requests
         ]
@@ -450,12 +457,14 @@ def test_the_missing_tokens_are_generated_once(retried: dict[str, Any]) -> None:
     assert "embeddings" in resumed["cmpl-embeds-0"].left_to_client
     assert resumed["cmpl-embeds-0"].token_ids == []
     assert resumed["cmpl-logprobs-0"].left_to_client is None
-    # and the request whose continuation was dropped is computed anew by its retry
+    # and the request whose continuation was dropped is computed anew by its retry; the one that
+    # could not continue exactly was computed whole from its prompt (in resumed: its whole answer)
     again = sum(len(retried["reference"][k]["choices"][0]["ids"]) for k in ("embeds", VOIDED))
+    assert resumed[f"chatcmpl-{RECOMPUTE}"].token_ids == retried["reference"][RECOMPUTE]["choices"][0]["ids"]
     assert retried["generated"] == sum(len(c.token_ids) for c in resumed.values()) + again
     for e in retried["checkpoint"].ledger.data["requests"]:
         cid = e["client_request_id"]
-        if cid == f"chatcmpl-{VOIDED}":
+        if cid in (f"chatcmpl-{VOIDED}", f"chatcmpl-{RECOMPUTE}"):
             continue
         m = re.match(r"^(?:(\d+)_)?(?:chatcmpl-(.+)|cmpl-(.+)-0)$", cid)
         assert m is not None, cid
@@ -475,7 +484,8 @@ def test_a_reused_id_with_another_body_or_tenant_is_never_attached(retried: dict
     assert len(retried["other_body"]["choices"][0]["ids"]) == 8
     assert retried["other_tenant"]["attach"] == "new: another tenant's request id"
     # their engine requests ran under the restored id without its state
-    assert retried["connector"]["states_waiting"] == []
+    # (the one computed again from its prompt never claims its carried generator state)
+    assert retried["connector"]["states_waiting"] == [f"chatcmpl-{RECOMPUTE}"]
     assert 'gpuckpt_continuations_total{event="attached"}' in retried["metrics"]
 
 

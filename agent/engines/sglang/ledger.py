@@ -218,6 +218,7 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 cache_salt=e.get("cache_salt"),
                 exact=not reasons,
                 reasons=reasons,
+                budget={k: e["sampling"].get(k) for k in ("max_new_tokens", "min_new_tokens")},
             )
         )
     out += [Resubmission.left(e["rid"], str(e[LEFT])) for e in left_entries(ledger)]

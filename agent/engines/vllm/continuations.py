@@ -249,7 +249,9 @@ class Book:
             cont = Continuation(base, endpoint, dict(api), n)
             self.items[key] = cont
         ch = Choice(index, list(all_ids[:prompt_len]), list(all_ids[prompt_len:]))
-        if earlier_lps is not None and len(earlier_lps) == len(ch.earlier):
+        if not ch.earlier:  # computed from its prompt: every logprob is the continuation's
+            ch.earlier_lps = []
+        elif earlier_lps is not None and len(earlier_lps) == len(ch.earlier):
             ch.earlier_lps = list(earlier_lps)
         cont.choices[index] = ch
         cont.engine_ids.append(cid)

@@ -585,6 +585,7 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 api=api,
                 needs=needs,
                 logprobs=lps,
+                budget={"max_tokens": e["max_tokens"], "min_tokens": e["min_tokens"]},
             )
         )
     for e in left_entries(ledger):
