@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from agent.engines.retries import token_path
 from agent.engines.serving import ServeError
 from agent.engines.sglang import serve as sglang_serve
 from agent.engines.vllm import serve as vllm_serve
-from agent.engines.vllm.middleware import token_path
 
 __all__ = ["ServeProcess", "SglangProcess", "WorkerProcess"]
 

@@ -40,7 +40,7 @@ from vllm_common import WORKER_ENV, free_port, make_model, worker_args
 
 from agent import session
 from agent.engines import canary
-from agent.engines.vllm.middleware import ATTACH_HEADER
+from agent.engines.retries import ATTACH_HEADER
 from agent.engines.vllm.serve import kv_transfer_config
 from agent.testing import ServeProcess
 from ckpt import Repository
@@ -49,15 +49,15 @@ from tests.harness.models import write_tokenizer
 VOCAB = 2048
 #: the generated tokenizer's vocabulary (prompts stay inside it; the model's is larger)
 TOKENIZER_VOCAB = 500
-#: the JSON request's schema: an array of exactly 400 words (~800 tokens), in a fixed order
+#: the JSON request's schema: exactly 250 words (~750 tokens: it ends after the cut, before max_tokens)
 SCHEMA = {
     "type": "object",
     "properties": {
         "words": {
             "type": "array",
             "items": {"type": "string", "enum": ["alpha", "beta", "gamma", "delta"]},
-            "minItems": 400,
-            "maxItems": 400,
+            "minItems": 250,
+            "maxItems": 250,
         },
         "kind": {"type": "string", "enum": ["x", "yy"]},
     },
@@ -239,7 +239,7 @@ def main() -> None:
         if "structured_outputs" in body:
             try:
                 doc = json.loads(b.get("text", ""))
-                valid = len(doc["words"]) == 400 and doc["kind"] in ("x", "yy")
+                valid = len(doc["words"]) == 250 and doc["kind"] in ("x", "yy")
             except (ValueError, KeyError, TypeError):
                 valid = False
             print(f"{k}: a JSON document of the schema: {valid}; {len(b['ids'])} tokens")

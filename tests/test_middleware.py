@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from agent.engines.vllm.continuations import Book, body_digest, not_attachable, parse_id
+from agent.engines.continuations import Book, body_digest, not_attachable, parse_id
+from agent.engines.retries import ATTACH_HEADER, RESUBMIT_HEADER, TOKEN_HEADER, token_path
 from agent.engines.vllm.ledger import API_XARG, VOID_PARAM, api_facts, resubmitted_id
-from agent.engines.vllm.middleware import ATTACH_HEADER, RESUBMIT_HEADER, TOKEN_HEADER, GpuckptMiddleware, token_path
+from agent.engines.vllm.middleware import GpuckptMiddleware
 
 
 def test_ledger_ids_map_to_the_request_id_and_endpoint_a_retry_carries() -> None:
@@ -153,7 +154,7 @@ def test_the_agent_renews_the_retry_hold_while_it_restores_and_expect_ends_it() 
     duplicate of the continuation about to be resubmitted; the agent's ``expect`` lets it go,
     and after that a renewal holds nothing. Only the agent (the token) renews, and only a hold in
     force."""
-    from agent.engines.vllm.middleware import EXPECT_PATH, MAX_HOLD_S
+    from agent.engines.retries import EXPECT_PATH, MAX_HOLD_S
 
     async def scenario() -> None:
         mw = GpuckptMiddleware(None)
@@ -383,8 +384,8 @@ def test_logprobs_are_recorded_as_served_and_an_attached_retry_gets_them_all() -
     vo = pytest.importorskip("vllm.outputs")
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+    from agent.engines.continuations import Logprobs, encode_position
     from agent.engines.vllm import middleware as mwmod
-    from agent.engines.vllm.continuations import Logprobs, encode_position
 
     asked: list[Any] = []
 
@@ -462,7 +463,7 @@ def test_the_checkpoint_carries_logprobs_the_server_gave_and_says_why_not() -> N
     server gave none for (or not one per output, or a server that did not answer) carries none and
     its ``api`` says why, so the agent leaves it to its client. A ledger entry whose logprobs are
     malformed is never served from."""
-    from agent.engines.vllm.continuations import encode_position
+    from agent.engines.continuations import encode_position
     from agent.engines.vllm.ledger import NO_LOGPROBS, carry_logprobs, make_ledger, resubmissions
 
     def entry(cid: str, outputs: int, logprobs: int | None = 1) -> dict[str, Any]:

@@ -270,7 +270,7 @@ class Resubmission:
     #: the engine's ``judged_on`` holds against the worker's layout; never sent to the worker
     needs: dict[str, Any] | None = None
     #: the logprobs of ``output_token_ids`` as the checkpoint carried them (one position per token,
-    #: :func:`agent.engines.vllm.continuations.encode_position`): handed to the worker's server with
+    #: :func:`agent.engines.continuations.encode_position`): handed to the worker's server with
     #: the resubmission, so that a retry asking for logprobs is served them whole
     logprobs: list[Any] | None = None
     #: the request's original budget as sampling fields (vLLM: ``max_tokens``, ``min_tokens``; a

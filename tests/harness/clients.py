@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from openai import OpenAI, omit
 
-from agent.engines.vllm.middleware import ATTACH_HEADER
+from agent.engines.retries import ATTACH_HEADER
 
 __all__ = ["Calls", "call", "checkpoint_during", "generated", "logprobs", "same_logprobs"]
 

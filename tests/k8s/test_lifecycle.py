@@ -43,7 +43,7 @@ import yaml
 
 from agent import session
 from agent.engines.base import token_digest
-from agent.engines.vllm.middleware import token_path
+from agent.engines.retries import token_path
 from agent.engines.vllm.serve import ServeClient
 from agent.testing import WorkerProcess
 from ckpt.errors import ConfigError

@@ -41,7 +41,7 @@ from agent import session
 from agent.daemon import watchdog
 from agent.engines import canary
 from agent.engines.channel import WorkerChannel
-from agent.engines.vllm.middleware import ATTACH_HEADER, REISSUE_HEADER
+from agent.engines.retries import ATTACH_HEADER, REISSUE_HEADER
 from agent.testing import ServeProcess
 from ckpt import Repository
 from tests.harness.cli import CLI
@@ -546,7 +546,7 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
     ref: dict[str, Any] = {}
     try:
         _until(lambda: _healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
-        from agent.engines.vllm.middleware import token_path
+        from agent.engines.retries import token_path
         from agent.engines.vllm.serve import ServeClient
 
         probe = canary.record(ServeClient(url).generate)

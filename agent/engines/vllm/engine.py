@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from agent.engines.base import Engine, script_python
-from agent.engines.vllm.middleware import token_path
+from agent.engines.retries import token_path
 from agent.engines.vllm.serve import ServeClient, kv_transfer_config, with_middleware
 
 API_SERVER = "vllm.entrypoints.openai.api_server"

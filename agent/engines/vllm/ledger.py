@@ -92,8 +92,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from agent.engines.continuations import valid_positions
 from agent.engines.types import Resubmission, token_digest
-from agent.engines.vllm.continuations import valid_positions
 from ckpt import Ledger
 from ckpt.errors import FormatError
 

@@ -62,21 +62,16 @@ says so). Only ``EngineClient.generate``'s public signature is relied on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
-import hmac
 import json
 import logging
-import os
-import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from agent.engines.vllm.continuations import (
+from agent.engines.continuations import (
     KEEP_S,
     LOGPROBS_KEEP_S,
     LOGPROBS_MAX_BYTES,
@@ -89,16 +84,30 @@ from agent.engines.vllm.continuations import (
     body_digest,
     encode_position,
     not_attachable,
-    parse_id,
     tenant_digest,
     valid_positions,
 )
+from agent.engines.retries import (
+    ATTACH_HEADER,
+    ENDPOINTS,
+    EXPECT_PATH,
+    REISSUE_HEADER,
+    RESUBMIT_HEADER,
+    WAIT_S,
+    Refuse,
+    RetryServer,
+    find_retry,
+    write_token,
+)
+from agent.engines.retries import authentic as _authentic
+from agent.engines.retries import expect as _expect
+from agent.engines.retries import header_value as _ascii
+from agent.engines.retries import read_body as _read_body
+from agent.engines.retries import send_json as _json
 from agent.engines.vllm.ledger import API_XARG, VOID_PARAM
 
 log = logging.getLogger("gpuckpt.middleware")
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-EXPECT_PATH = "/gpuckpt/v1/expect"
 LOGPROBS_PATH = "/gpuckpt/v1/logprobs"
 #: the resubmission body's field with the logprobs of its earlier outputs (the checkpoint's):
 #: taken out of the body here, never seen by vLLM
@@ -106,20 +115,6 @@ LOGPROBS_FIELD = "gpuckpt_logprobs"
 #: how long the agent's ``logprobs`` call waits, at most, for the API server to have streamed the
 #: tokens the checkpoint captured (it lags the engine on a busy host)
 LOGPROBS_WAIT_S = 10.0
-RESUBMIT_HEADER = "x-gpuckpt-resubmit"
-TOKEN_HEADER = "x-gpuckpt-token"  # noqa: S105 - a header name
-REISSUE_HEADER = "x-gpuckpt-reissue"
-ATTACH_HEADER = "x-gpuckpt-attach"
-#: the file beside the control socket that holds this worker's resubmission token
-TOKEN_SUFFIX = ".api-token"  # noqa: S105 - a file name
-
-#: how long a retry waits for the continuation it expects (the agent's ``expect``), or a router's
-#: re-issue for the continuation to reach the tokens it delivered
-WAIT_S = 60.0
-
-#: the longest one renewal of the retry hold may reach (the agent renews a short lease while it
-#: restores; ``POST /gpuckpt/v1/expect`` with ``{"hold_s": …}``)
-MAX_HOLD_S = 600.0
 
 _CTX: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("gpuckpt_call", default=None)
 
@@ -468,16 +463,9 @@ def _prompt_ids(prompt: Any) -> list[int] | None:
 
 
 @dataclass
-class _Server:
-    """This API server's gpuckpt state: the book, the token, the settings."""
+class _Server(RetryServer):
+    """This API server's gpuckpt state: the shared one (book, token, hold), and vLLM's."""
 
-    book: Book
-    token: str | None
-    wait_s: float
-    #: a restore will follow this start: requests that may be retries wait for the agent's ``expect``
-    #: (which releases them) until this ``time.monotonic()``
-    hold_until: float = 0.0
-    released: asyncio.Event = field(default_factory=asyncio.Event)
     #: the logprobs streamed to clients of requests in flight, for the agent's checkpoint
     logprobs: Logprobs = field(default_factory=Logprobs)
     #: the engine client (vLLM's, unwrapped), and the HTTP tasks of the requests in flight here
@@ -553,7 +541,7 @@ class GpuckptMiddleware:
             return await _logprobs(server, headers, body, send)
         try:
             call, new_body = await self._decide(server, endpoint or "", headers, body)
-        except _Refuse as r:
+        except Refuse as r:
             return await _json(send, r.status, {"error": {"message": r.message, "type": "gpuckpt"}})
         except Exception:
             log.exception("gpuckpt: middleware")
@@ -599,7 +587,6 @@ class GpuckptMiddleware:
             return None, body  # vLLM answers a malformed body itself
         if not isinstance(doc, dict):
             return None, body
-        book = server.book
         tenant = tenant_digest(headers.get("authorization"))
         facts = {
             "endpoint": endpoint,
@@ -611,7 +598,7 @@ class GpuckptMiddleware:
         call: _Call | None = None
         if RESUBMIT_HEADER in headers:
             if not _authentic(server, headers):
-                raise _Refuse(403, "gpuckpt: a resubmission needs this worker's token")
+                raise Refuse(403, "gpuckpt: a resubmission needs this worker's token")
             info = json.loads(headers[RESUBMIT_HEADER])
             api = info.get("api") or {}
             if api:
@@ -626,28 +613,11 @@ class GpuckptMiddleware:
         elif _authentic(server, headers):
             pass  # the agent's own request (the canary): never held, never attached
         elif base := headers.get("x-request-id"):
-            # the agent has yet to say what it resubmits: a retry must not start a duplicate. The
-            # hold may be renewed while this request waits (a long restore), so it is read again
-            while not server.released.is_set() and (left := server.hold_until - time.monotonic()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(server.released.wait(), left)
-            key = (base, endpoint)
-            cont = book.get(base, endpoint)
-            if cont is None and key in book.left:
-                call = _Call("new", outcome=f"new: {book.left[key]}")
-            if (cont is None or len(cont.choices) < cont.n) and key in book.expected:
-                cont = await _wait_for(book, key, server.wait_s)
-            if cont is not None:
-                why = not_attachable(doc)
-                if cont.api.get("tenant") != tenant:
-                    why = "another tenant's request id"
-                elif cont.api.get("body") != facts["body"]:
-                    why = "its body differs from the checkpointed request's"
-                if why is None:
-                    call = _Call("attach", cont=cont)
-                else:
-                    call = _Call("new", outcome=f"new: {why}")
-                    book.count("refused")
+            found = await find_retry(server, base, endpoint, tenant, str(facts["body"]), doc)
+            if found.kind == "attach":
+                call = _Call("attach", cont=found.cont)
+            elif found.kind == "new":
+                call = _Call("new", outcome=found.outcome)
         xargs = doc.get("vllm_xargs")
         packed = json.dumps(facts, separators=(",", ":"))
         doc["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), API_XARG: packed}
@@ -679,60 +649,6 @@ class GpuckptMiddleware:
         return _Call("new", outcome="new: no continuation of this id holds these tokens")
 
 
-class _Refuse(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def _authentic(server: _Server, headers: Mapping[str, str]) -> bool:
-    """The request carries this worker's token: it is the agent's."""
-    given = headers.get(TOKEN_HEADER, "").encode("latin-1", "replace")
-    return bool(server.token) and hmac.compare_digest(given, (server.token or "").encode())
-
-
-async def _wait_for(book: Book, key: tuple[str, str], wait_s: float) -> Continuation | None:
-    """A retry that came before the agent's resubmission of its request (of each of its choices):
-    wait (bounded) for it."""
-    deadline = min(book.expected.get(key, 0.0), time.monotonic() + wait_s)
-    while ((cont := book.items.get(key)) is None or len(cont.choices) < cont.n) and time.monotonic() < deadline:
-        ev = book.arrived
-        try:
-            await asyncio.wait_for(ev.wait(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            break
-    return cont
-
-
-async def _expect(server: _Server, headers: dict[str, str], body: bytes, send: Any) -> None:
-    """``POST /gpuckpt/v1/expect`` (the agent, with the token): these ledger ids are about to be
-    resubmitted; a retry of one of them waits for its continuation instead of starting anew."""
-    if not _authentic(server, headers):
-        return await _json(send, 403, {"error": {"message": "gpuckpt: expect needs this worker's token"}})
-    try:
-        doc = json.loads(body)
-        if "hold_s" in doc:
-            return await _json(send, 200, {"held_s": _renew_hold(server, float(doc["hold_s"]))})
-        ids = [(str(r["id"]), int(r.get("n") or 1), r.get("left")) for r in doc["requests"]]
-        wait_s = min(float(doc.get("wait_s", server.wait_s)), 600.0)
-    except (ValueError, KeyError, TypeError) as exc:
-        return await _json(send, 400, {"error": {"message": f"gpuckpt: bad expect body: {exc}"}})
-    deadline = time.monotonic() + wait_s
-    server.hold_until = 0.0
-    server.released.set()
-    n = 0
-    for cid, choices, left in ids:
-        parsed = parse_id(cid, choices)
-        if parsed is None:
-            continue
-        if left:
-            server.book.left[parsed[:2]] = str(left)[:200]
-        else:
-            server.book.expected[parsed[:2]] = deadline
-            n += 1
-    await _json(send, 200, {"expected": n})
-
-
 async def _logprobs(server: _Server, headers: dict[str, str], body: bytes, send: Any) -> None:
     """``POST /gpuckpt/v1/logprobs`` (the agent, with the token, after a capture):
     ``{"requests": [{"id": ledger client id, "n": choices, "outputs": count}, …]}`` →
@@ -750,84 +666,5 @@ async def _logprobs(server: _Server, headers: dict[str, str], body: bytes, send:
     await _json(send, 200, {"logprobs": await server.logprobs.wait(wanted, wait_s)})
 
 
-def _renew_hold(server: _Server, hold_s: float) -> float:
-    """The agent's restore is still under way: hold possible retries ``hold_s`` seconds more from
-    now (at most :data:`MAX_HOLD_S`; a renewal never shortens the hold). The agent renews while it
-    restores, so the hold outlasts a restore of any length, and lapses soon after an agent that
-    died. Only a hold in force is renewed: a server started without one (no restore was to
-    follow its start) or whose hold ran out never starts holding its clients' requests here,
-    and once the agent has said what it resubmits (or that it resubmits nothing), nothing holds
-    again. Returns the seconds the hold has left (0: none)."""
-    now = time.monotonic()
-    if server.released.is_set() or server.hold_until <= now:
-        return 0.0
-    if hold_s > 0:  # false for NaN too
-        server.hold_until = max(server.hold_until, now + min(hold_s, MAX_HOLD_S))
-    return max(0.0, server.hold_until - now)
-
-
-async def _read_body(receive: Any) -> bytes:
-    chunks = []
-    while True:
-        msg = await receive()
-        if msg.get("type") != "http.request":
-            break
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            break
-    return b"".join(chunks)
-
-
-async def _json(send: Any, status: int, doc: dict[str, Any]) -> None:
-    data = json.dumps(doc).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
-def _ascii(s: str) -> bytes:
-    return s.encode("ascii", "backslashreplace")[:400]
-
-
-def token_path(control_socket: str) -> Path:
-    """Where the worker's resubmission token lives: beside the connector's control socket."""
-    return Path(control_socket + TOKEN_SUFFIX)
-
-
 def _write_token(extra: Mapping[str, Any]) -> str | None:
-    """A fresh token for this server, in a file only the agent (the socket's group) can read."""
-    sock = extra.get("control_socket")
-    if not sock:
-        return None
-    try:
-        return _write_token_file(str(sock), extra.get("shared_group"))
-    except (OSError, KeyError, ValueError) as exc:
-        log.error("gpuckpt: no resubmission token (retries will not attach): %s", exc)
-        return None
-
-
-def _write_token_file(sock: str, group: Any) -> str:
-    token = secrets.token_urlsafe(32)
-    p = token_path(str(sock))
-    tmp = p.with_name(f".{p.name}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a killed server with this pid
-    mode = 0o640 if group else 0o600
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        if group:
-            import grp
-
-            os.fchown(fd, -1, grp.getgrnam(str(group)).gr_gid if not str(group).isdigit() else int(group))
-        os.fchmod(fd, mode)
-        os.write(fd, token.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, p)
-    return token
+    return write_token(extra)

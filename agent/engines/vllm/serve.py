@@ -50,16 +50,14 @@ from typing import Any
 import httpx
 
 from agent import fs
+from agent.engines.retries import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
 from agent.engines.serving import NO_KEEPALIVE, Completion, ServeError, check_response, split_left
 from agent.engines.types import Resubmission
 from agent.engines.vllm.ledger import SAMPLING_FIELDS, carry_logprobs
 from agent.engines.vllm.middleware import (
-    EXPECT_PATH,
     LOGPROBS_FIELD,
     LOGPROBS_PATH,
     LOGPROBS_WAIT_S,
-    RESUBMIT_HEADER,
-    TOKEN_HEADER,
 )
 from ckpt import Ledger
 

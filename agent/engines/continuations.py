@@ -1,9 +1,12 @@
-"""Restored continuations kept for their clients: the book gpuckpt's middleware serves retries
-and re-issues from (:mod:`agent.engines.vllm.middleware`), and the identities it matches them by.
+"""Restored continuations kept for their clients: the book gpuckpt's API-server middleware serves
+retries and re-issues from (vLLM's :mod:`agent.engines.vllm.middleware`, SGLang's
+:mod:`agent.engines.sglang.middleware`), and the identities it matches them by.
 
-Pure Python (no vLLM import): a continuation is the checkpointed prompt and outputs of each choice
-of one request, and the continuation's tokens as the agent's resubmission produces them. Run in
-the API server's event loop only (no locking).
+Pure Python (no engine import): a continuation is the checkpointed prompt and outputs of each
+choice of one request, and the continuation's tokens as the agent's resubmission produces them.
+Run in the API server's event loop only (no locking). Which client request a ledger entry is
+(``(X-Request-Id, endpoint, choice)``) is the engine's word (``Book``'s ``key_of``): vLLM's ids
+say it (:func:`parse_id`), SGLang's API facts do (``api["request_id"]``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +96,8 @@ class Choice:
     earlier: list[int]
     new: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    #: vLLM's stop reason (a token id, a stop string); SGLang's whole ``finish_reason`` document
+    stop_reason: Any = None
     done: bool = False
     #: the logprobs of ``earlier`` (one position per token, :func:`encode_position`), as the
     #: checkpoint carried them; ``None``: not carried (a retry asking for logprobs is served anew)
@@ -165,8 +169,16 @@ class Book:
     and the oldest finished ones go first when the bytes would exceed ``max_bytes`` (a running one
     is never dropped; a new one that does not fit is not kept). Drops are counted."""
 
-    def __init__(self, *, max_bytes: int = MAX_BYTES, keep_s: float = KEEP_S) -> None:
+    def __init__(
+        self,
+        *,
+        max_bytes: int = MAX_BYTES,
+        keep_s: float = KEEP_S,
+        key_of: Callable[[str, Mapping[str, Any]], tuple[str, str, int] | None] | None = None,
+    ) -> None:
         self.max_bytes, self.keep_s = max_bytes, keep_s
+        #: a ledger entry's ``(X-Request-Id, endpoint, choice)`` from its id and API facts
+        self.key_of = key_of or (lambda cid, api: parse_id(cid, int(api.get("n") or 1)))
         self.items: OrderedDict[tuple[str, str], Continuation] = OrderedDict()
         self.expected: dict[tuple[str, str], float] = {}
         #: restored requests the agent did not resubmit, and why (their retries are served anew)
@@ -232,7 +244,7 @@ class Book:
         kept, counted); ``earlier_lps``: the logprobs of its earlier outputs, as the checkpoint
         carried them."""
         n = int(api.get("n") or 1)
-        parsed = parse_id(cid, n)
+        parsed = self.key_of(cid, api)
         if parsed is None:
             self.count("not_kept_id")
             return None
