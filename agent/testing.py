@@ -176,9 +176,11 @@ class SglangProcess(WorkerProcess):
         pythonpath: Sequence[str] = (),
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
+        middleware: bool = False,
     ) -> None:
         """``pythonpath``: directories put in front of the server's ``PYTHONPATH``; ``env`` is added
-        to this process's environment, with ``SGLANG_USE_CPU_ENGINE=1`` unless it says otherwise."""
+        to this process's environment, with ``SGLANG_USE_CPU_ENGINE=1`` unless it says otherwise;
+        ``middleware``: gpuckpt's SGLang server (retries attach), as ``gpuckpt launch`` runs it."""
         cmd = sglang_serve.serve_command(
             model,
             port=port,
@@ -187,6 +189,7 @@ class SglangProcess(WorkerProcess):
             staging_dir=staging_dir,
             python=python,
             extra_args=extra_args,
+            middleware=middleware,
         )
         full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
         paths = [*pythonpath, *([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])]
@@ -198,7 +201,7 @@ class SglangProcess(WorkerProcess):
             url=url,
             control_socket=control_socket,
             log_path=log_path,
-            client=sglang_serve.SglangClient(url),
+            client=sglang_serve.SglangClient(url, token_file=token_path(control_socket)),
             env=full_env,
         )
 

@@ -59,13 +59,16 @@ def test_launch_configures_each_engines_adapter_with_its_own_flags() -> None:
         control_socket="/run/c.sock",
         staging_dir=None,
         shared_group=None,
+        hold_retries_s=30.0,
     )
-    assert argv[:5] == ["python3", "-m", "sglang.launch_server", "--model-path", "m"]
+    # SGLang's own server through gpuckpt's launcher (its middleware: retries attach), same arguments
+    assert argv[:5] == ["python3", "-m", "agent.engines.sglang.server", "--model-path", "m"]
     assert "--enable-unified-cache-external-linker" in argv
     assert argv[argv.index("--unified-cache-external-linker-backend") + 1] == "dynamic"
     linker = json.loads(argv[argv.index("--unified-cache-external-linker-config") + 1])
     assert linker["linker_module_path"] == "agent.engines.sglang.linker"
     assert linker["linker_extra_config"]["control_socket"] == "/run/c.sock"
+    assert linker["linker_extra_config"]["retry_hold_s"] == 30.0
     with pytest.raises(ValueError, match="already configures an external cache linker"):
         s.worker_command(argv, control_socket="/x", staging_dir=None, shared_group=None)
 

@@ -104,6 +104,9 @@ class Choice:
     earlier_lps: list[Position] | None = None
     #: the continuation's own, one per token of ``new`` (when the resubmission asked for them)
     new_lps: list[Position] = field(default_factory=list)
+    #: the engine's last word on the continuation beside its tokens (SGLang's ``meta_info``: the
+    #: weight version and the like, which a retry served in the engine's own form repeats)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def tokens(self) -> list[int]:
         return self.earlier + self.new

@@ -63,7 +63,12 @@ class Servers:
         self.procs: list[SglangProcess] = []
 
     def start(
-        self, name: str, page_size: int = 16, linker: dict[str, Any] | None = None, args: Sequence[str] = ()
+        self,
+        name: str,
+        page_size: int = 16,
+        linker: dict[str, Any] | None = None,
+        args: Sequence[str] = (),
+        middleware: bool = False,
     ) -> SglangProcess:
         """A server named ``name``, ready (API and control socket); ``linker`` adds to the linker's
         extra config (``copy_bytes_per_step`` and the like), ``args`` to the server's flags."""
@@ -82,6 +87,7 @@ class Servers:
             staging_dir=str(self.base / f"{name}-staging"),
             extra_args=extra,
             pythonpath=[str(STANDIN), str(ROOT)],
+            middleware=middleware,
         )
         self.procs.append(p)
         p.wait_ready(600)

@@ -10,10 +10,12 @@ speed, and nothing below depends on it). Server B restores the checkpoint (warm,
 - the agent's path (the ledger resubmitted through ``/generate``) continues each request from its
   exact next token: its outputs before the checkpoint and after it are the tokens the same
   engine generates for that prompt uninterrupted (B, its cache flushed);
-- each client retries its call. SGLang's server takes no middleware of ours, so a retry does not
-  attach to the continuation (README, "SGLang: retries do not attach"): it is computed again —
-  and gets the reference's text, with its prompt found in the restored prefix cache
-  (``usage.prompt_tokens_details.cached_tokens``, ``--enable-cache-report``).
+- each client retries its call (the same body, its ``rid`` its id): gpuckpt's SGLang server (the
+  launcher ``gpuckpt launch`` runs: SGLang's own server with gpuckpt's middleware added) serves
+  it from the continuation — attached, the reference's text, computed once;
+- a call under a reused id with another body is never attached: it is computed anew, with its
+  prompt found in the restored prefix cache (``usage.prompt_tokens_details.cached_tokens``,
+  ``--enable-cache-report``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pytest
 from openai import APIError, OpenAI
 
 from agent import session
+from agent.engines.retries import ATTACH_HEADER
 from agent.testing import SglangProcess
 from ckpt import Repository
 from tests.harness.models import write_tiny_llama_text
@@ -53,17 +56,20 @@ CALLS: dict[str, tuple[str, bool, dict[str, Any]]] = {
 WHEN = {"live": len(CALLS), "min_outputs": 12}
 
 
-def ask(url: str, name: str, *, rid: str | None = None) -> dict[str, Any]:
-    """One client call as ``CALLS[name]`` says, with the ``openai`` client: its text and usage."""
+def ask(url: str, name: str, *, rid: str | None = None, **more: Any) -> dict[str, Any]:
+    """One client call as ``CALLS[name]`` says (``more``: other body fields), with the ``openai``
+    client: its text, usage and gpuckpt's attach header."""
     endpoint, stream, body = CALLS[name]
-    extra = {"ignore_eos": True, "rid": rid or name}
+    extra = {"ignore_eos": True, "rid": rid or name, **more}
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     kw: dict[str, Any] = {"model": "m", "max_tokens": N, "temperature": 0.0, "extra_body": extra, **body}
     if stream:
         kw |= {"stream": True, "stream_options": {"include_usage": True}}
     text, usage = "", None
     with client:
-        got: Any = (client.chat.completions if endpoint == "chat" else client.completions).create(**kw)
+        raw = (client.chat.completions if endpoint == "chat" else client.completions).with_raw_response.create(**kw)
+        attach = raw.headers.get(ATTACH_HEADER)
+        got: Any = raw.parse()
         for event in got if stream else [got]:
             usage = event.usage or usage
             for ch in event.choices:
@@ -78,6 +84,7 @@ def ask(url: str, name: str, *, rid: str | None = None) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "prompt_tokens": usage.prompt_tokens,
         "cached": cached,
+        "attach": attach,
     }
 
 
@@ -90,7 +97,7 @@ def servers(sglang_python: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _start(servers: Servers, name: str) -> SglangProcess:
-    return servers.start(name, page_size=PAGE, args=["--enable-cache-report"])
+    return servers.start(name, page_size=PAGE, args=["--enable-cache-report"], middleware=True)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +119,16 @@ def run(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                 t.start()
                 threads.append(t)
 
+    # as the agent does: the API facts the server recorded of the captured requests go in the ledger
     taken = session.checkpoint_around(
-        a.control_socket, start, repo, "sglang-chat", when=WHEN, timeout=300, generate=a.client.generate
+        a.control_socket,
+        start,
+        repo,
+        "sglang-chat",
+        when=WHEN,
+        timeout=300,
+        generate=a.client.generate,
+        complete_ledger=a.client.complete_ledger,
     )
     a.kill()
     for t in threads:
@@ -125,6 +140,8 @@ def run(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     # read before the retries, which reuse the ids: what the resubmissions loaded
     restored_tokens = session.stats(b.control_socket)["restored_tokens"]
     retries = {name: ask(b.url, name) for name in CALLS}  # each client, again
+    # the same id with another body: never attached (computed anew, from the restored prefix)
+    other = ask(b.url, "completion", stop=["never-in-the-output"])
     # the same engine's uninterrupted run of each restored request's prompt, from an empty cache
     httpx.post(b.url + "/flush_cache", timeout=30).raise_for_status()
     uninterrupted = {
@@ -138,6 +155,7 @@ def run(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         "plan": plan,
         "resumed": resumed,
         "retries": retries,
+        "other": other,
         "restored_tokens": restored_tokens,
         "uninterrupted": uninterrupted,
     }
@@ -162,12 +180,24 @@ def test_the_restore_is_warm_and_the_ledger_continues_from_the_exact_next_token(
         assert run["restored_tokens"].get(r.request_id, 0) > 0, run["restored_tokens"]
 
 
-def test_each_client_s_retry_gets_the_uninterrupted_answer_from_a_warm_prefix(run: dict[str, Any]) -> None:
+def test_each_client_s_retry_is_attached_to_its_continuation_and_gets_the_uninterrupted_answer(
+    run: dict[str, Any],
+) -> None:
+    led = {e["rid"]: e for e in run["manifest"].ledger.data["requests"]}
     for name in CALLS:
+        # the facts the server recorded of the call, carried by the checkpoint
+        api = led[name]["api"]
+        assert (api["request_id"], api["endpoint"], api["n"]) == (name, CALLS[name][0], 1), api
         ref, got = run["reference"][name], run["retries"][name]
+        assert got["attach"] == "attached", (name, got["attach"])
         assert got["text"] == ref["text"], name
         assert got["completion_tokens"] == ref["completion_tokens"] == N, name
         assert got["prompt_tokens"] == ref["prompt_tokens"], name
-        # the prompt's whole pages are cached: restored (test above: the resubmission loaded
-        # them), and kept by the resubmission
-        assert got["cached"] >= ref["prompt_tokens"] - PAGE, (name, got, ref)
+
+
+def test_a_reused_id_with_another_body_is_computed_anew_from_a_warm_prefix(run: dict[str, Any]) -> None:
+    ref, got = run["reference"]["completion"], run["other"]
+    assert got["attach"] == "new: its body differs from the checkpointed request's", got["attach"]
+    assert got["text"] == ref["text"]  # the stop string never matches: the same greedy answer
+    # the prompt's whole pages are cached: restored (the resubmission loaded them) and kept
+    assert got["cached"] >= ref["prompt_tokens"] - PAGE, (got, ref)

@@ -5,11 +5,13 @@ agent runs without SGLang installed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar
 
 from agent.engines.base import Engine, script_python
-from agent.engines.sglang.serve import SglangClient, linker_args
+from agent.engines.retries import token_path
+from agent.engines.sglang.serve import SERVER_MODULE, SglangClient, linker_config
 
 #: the module ``python -m`` runs for a server (what ``sglang serve`` runs for a language model)
 LAUNCH_MODULE = "sglang.launch_server"
@@ -25,7 +27,7 @@ class SglangEngine(Engine):
     default_port: ClassVar[int] = 30000
 
     def client(self, url: str) -> SglangClient:
-        return SglangClient(url)
+        return SglangClient(url, token_file=token_path(str(self.socket)), trust=self.staging.trust)
 
     @classmethod
     def runs(cls, command: list[str]) -> bool:
@@ -42,12 +44,26 @@ class SglangEngine(Engine):
         shared_group: str | None,
         hold_retries_s: float = 0.0,
     ) -> list[str]:
-        """``python -m sglang.launch_server ARGS`` (or ``sglang serve ARGS``) with gpuckpt's linker
-        (``hold_retries_s`` has no SGLang counterpart yet: its retries are not attached)."""
+        """``python -m sglang.launch_server ARGS`` (or ``sglang serve ARGS``) as gpuckpt's SGLang
+        server (:mod:`.server`: SGLang's own with gpuckpt's middleware, the same arguments: the
+        clients' retries attach) with gpuckpt's linker; ``hold_retries_s``: possible retries
+        wait that long for the restore to say what it resubmits."""
         argv = _launch_argv(command)
         if any(a == f or a.startswith(f + "=") for a in argv for f in _LINKER_FLAGS):
             raise ValueError("the command already configures an external cache linker; launch sets it")
-        return [*argv, *linker_args(control_socket, staging_dir, shared_group)]
+        cfg = linker_config(control_socket, staging_dir, shared_group)
+        if hold_retries_s > 0:
+            cfg["linker_extra_config"]["retry_hold_s"] = hold_retries_s
+        if len(argv) >= 3 and argv[1] == "-m" and argv[2] == LAUNCH_MODULE:
+            argv = [argv[0], "-m", SERVER_MODULE, *argv[3:]]
+        return [
+            *argv,
+            "--enable-unified-cache-external-linker",
+            "--unified-cache-external-linker-backend",
+            "dynamic",
+            "--unified-cache-external-linker-config",
+            json.dumps(cfg),
+        ]
 
 
 def _launch_argv(cmd: list[str]) -> list[str]:

@@ -14,7 +14,15 @@ boundary::
      "sampling": {SAMPLING_FIELDS present}, "priority": int | null,
      "extra_key": str | null, "cache_salt": str | null,
      "return_logprob": bool,
-     "inexact_reasons": [why a resubmission cannot continue exactly, …]}
+     "inexact_reasons": [why a resubmission cannot continue exactly, …],
+     "api": {"endpoint": "chat"|"completions", "body": sha256 of the
+             request body, "tenant": sha256 of its Authorization header,
+             "n": choices, "request_id": the client's id (X-Request-Id or
+             the body's rid), "unattachable": why a retry cannot be served
+             from the continuation | null} | absent — what gpuckpt's SGLang
+             server (:mod:`.middleware`) recorded of the call, added by the
+             agent after the capture (:func:`carry_api`), so that the
+             client's retry attaches to the continuation}
 
 and, where the capture held requests whose input the ledger cannot carry
 (:func:`uncarried_input`), ``data["left_to_client"]``: ``[{"rid",
@@ -43,12 +51,15 @@ same — its KV is right — but reported as a cold replay):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agent.engines.types import Resubmission
 from ckpt import Ledger
 from ckpt.errors import FormatError
+
+log = logging.getLogger("gpuckpt.sglang")
 
 SCHEMA = "gpuckpt-sglang-ledger"
 VERSION = 1
@@ -185,6 +196,46 @@ def read(ledger: Ledger | dict[str, Any]) -> list[dict[str, Any]]:
     return entries
 
 
+#: the API facts an entry's ``api`` must hold to be matched to a client's retry
+_API_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "endpoint": str,
+    "body": str,
+    "tenant": str,
+    "n": int,
+    "request_id": str,
+    "unattachable": (str, type(None)),
+}
+
+
+def valid_api(api: Any) -> dict[str, Any] | None:
+    """``api`` as a ledger entry's API facts, or ``None`` where it is not (absent, or not what
+    gpuckpt's server records: it is then never matched to anyone's retry)."""
+    if not isinstance(api, dict) or any(not isinstance(api.get(k), t) for k, t in _API_FIELDS.items()):
+        return None
+    return {k: api[k] for k in _API_FIELDS}
+
+
+def carry_api(ledger: Ledger, fetch: Callable[[list[str]], Mapping[str, Any]]) -> Ledger:
+    """``ledger`` with each request's API facts as gpuckpt's SGLang server recorded them (``fetch``:
+    rids → ``{rid: facts | None}``); a request the server has none for (it came another way)
+    carries none, and its retry is served anew. A server that does not answer: the ledger as it
+    was (the checkpoint goes on; no retry of it attaches)."""
+    data = ledger.data if isinstance(ledger.data, dict) else None
+    entries = [e for e in (data or {}).get("requests") or () if isinstance(e, dict)]
+    if not entries:
+        return ledger
+    try:
+        got = dict(fetch([str(e.get("rid")) for e in entries]))
+    except Exception as exc:
+        log.warning("gpuckpt: the API facts of %d requests were not fetched: %s", len(entries), exc)
+        return ledger
+    out = []
+    for e in (data or {}).get("requests") or ():
+        api = valid_api(got.get(str(e.get("rid")))) if isinstance(e, dict) else None
+        out.append({**e, "api": api} if api is not None else e)
+    return ledger.model_copy(update={"data": {**(data or {}), "requests": out}})
+
+
 def _remaining(e: dict[str, Any]) -> int | None:
     budget = e["sampling"].get("max_new_tokens")
     return None if budget is None else max(0, int(budget) - len(e["output_token_ids"]))
@@ -219,6 +270,7 @@ def resubmissions(ledger: Ledger | dict[str, Any]) -> list[Resubmission]:
                 exact=not reasons,
                 reasons=reasons,
                 budget={k: e["sampling"].get(k) for k in ("max_new_tokens", "min_new_tokens")},
+                api=valid_api(e.get("api")),
             )
         )
     out += [Resubmission.left(e["rid"], str(e[LEFT])) for e in left_entries(ledger)]

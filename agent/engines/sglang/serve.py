@@ -11,6 +11,8 @@ text round trip can shift a token. A resubmitted request keeps its original ``ri
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -19,9 +21,19 @@ from typing import Any
 
 import httpx
 
+from agent import fs
+from agent.engines.retries import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
 from agent.engines.serving import NO_KEEPALIVE, Completion, ServeError, check_response, split_left
-from agent.engines.sglang.ledger import SAMPLING_FIELDS
+from agent.engines.sglang.ledger import SAMPLING_FIELDS, carry_api
 from agent.engines.types import Resubmission
+from ckpt import Ledger
+
+log = logging.getLogger("gpuckpt.serve")
+
+#: gpuckpt's SGLang server (:mod:`.server`: SGLang's own, with gpuckpt's middleware)
+SERVER_MODULE = "agent.engines.sglang.server"
+#: the agent's call for the API facts of captured requests (:mod:`.middleware`)
+REQUESTS_PATH = "/gpuckpt/v1/requests"
 
 __all__ = [
     "CPU_ARGS",
@@ -93,13 +105,15 @@ def serve_command(
     shared_group: str | None = None,
     python: str = sys.executable,
     extra_args: Sequence[str] = (),
+    middleware: bool = False,
 ) -> list[str]:
     """argv of ``python -m sglang.launch_server`` with the linker on ``control_socket``;
-    ``extra_args`` go last (device, backend, page size, memory…)."""
+    ``extra_args`` go last (device, backend, page size, memory…). ``middleware``: gpuckpt's
+    server instead (:data:`SERVER_MODULE`, the same arguments): the clients' retries attach."""
     return [
         python,
         "-m",
-        "sglang.launch_server",
+        SERVER_MODULE if middleware else "sglang.launch_server",
         "--model-path",
         model,
         "--host",
@@ -115,10 +129,88 @@ class SglangClient:
     """Client for an SGLang server's ``/generate`` (thread-safe; :meth:`submit` runs concurrently so
     the resubmissions batch in the server as they did before the checkpoint)."""
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        trust: fs.Trust | None = None,
+    ) -> None:
+        """``token_file``: where gpuckpt's server writes the worker's resubmission token (beside the
+        linker's control socket): with it, resubmissions are kept for the clients' retries."""
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), timeout=timeout, transport=transport, limits=NO_KEEPALIVE
         )
+        self._token_file = token_file
+        self._trust = trust
+        self._token: str | None = None
+
+    def token(self) -> str | None:
+        """The worker's resubmission token (``None``: no token file, e.g. not gpuckpt's server)."""
+        if self._token_file is None:
+            return None
+        if self._token is not None:
+            return self._token
+        try:
+            fd = fs.open_checked(self._token_file, directory=None, trust=self._trust or fs.Trust.of())
+        except FileNotFoundError:
+            return None
+        except (OSError, fs.UnsafePath) as exc:
+            log.warning("gpuckpt: the worker's resubmission token is not usable: %s", exc)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            self._token = f.read(256).decode("ascii", "replace").strip() or None
+        return self._token
+
+    def expect(
+        self, requests: Sequence[Resubmission], token: str, wait_s: float = 60.0, left: dict[str, str] | None = None
+    ) -> int:
+        """Tell gpuckpt's server these requests are about to be resubmitted (``left``: those that
+        are not, and why): their clients' retries wait for the continuations. Returns how many."""
+        left = left or {}
+        body = {
+            "requests": [
+                {"id": r.request_id, "n": 1, "left": left.get(r.request_id), "api": r.api or {}} for r in requests
+            ],
+            "wait_s": wait_s,
+        }
+        r = self._http.post(EXPECT_PATH, json=body, headers={TOKEN_HEADER: token})
+        check_response(r)
+        return int(r.json().get("expected", 0))
+
+    def release(self) -> None:
+        """Nothing will be resubmitted: the server stops holding possible retries."""
+        token = self.token()
+        if token is not None:
+            self.expect([], token)
+
+    def hold_retries(self, seconds: float, *, timeout: float = 5.0) -> float:
+        """The restore is still under way: the server holds possible retries ``seconds`` more;
+        returns the seconds the hold has left (0: it holds nothing)."""
+        token = self.token()
+        if token is None:
+            return 0.0
+        r = self._http.post(EXPECT_PATH, json={"hold_s": seconds}, headers={TOKEN_HEADER: token}, timeout=timeout)
+        check_response(r)
+        return float(r.json().get("held_s", 0.0))
+
+    def request_facts(self, rids: list[str]) -> dict[str, Any]:
+        """The API facts gpuckpt's server recorded for these rids (``{rid: facts | None}``);
+        :class:`ServeError` without its token."""
+        token = self.token()
+        if token is None:
+            raise ServeError("no resubmission token: the worker is not gpuckpt's SGLang server")
+        r = self._http.post(REQUESTS_PATH, json={"rids": rids}, headers={TOKEN_HEADER: token})
+        check_response(r)
+        got = r.json().get("api")
+        return got if isinstance(got, dict) else {}
+
+    def complete_ledger(self, ledger: Ledger) -> Ledger:
+        """A captured ledger with what only the worker's server knows of its requests: their API
+        facts (:func:`agent.engines.sglang.ledger.carry_api`), so the clients' retries attach."""
+        return carry_api(ledger, self.request_facts)
 
     def close(self) -> None:
         self._http.close()
@@ -154,6 +246,7 @@ class SglangClient:
         cache_salt: str | None = None,
         priority: int | None = None,
         stream: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> Completion:
         """One ``/generate`` of ``input_ids``: the new tokens, finish reason and cached tokens.
 
@@ -174,7 +267,7 @@ class SglangClient:
             body["stream"] = True
             ids: list[int] = []
             d: dict[str, Any] = {}
-            with self._http.stream("POST", "/generate", json=body) as r:
+            with self._http.stream("POST", "/generate", json=body, headers=headers) as r:
                 if r.status_code != 200:
                     r.read()
                     check_response(r)
@@ -189,7 +282,7 @@ class SglangClient:
                         first = time.monotonic() - t0
             d["output_ids"] = ids
         else:
-            r = self._http.post("/generate", json=body)
+            r = self._http.post("/generate", json=body, headers=headers)
             check_response(r)
             got = r.json()
             d = got[0] if isinstance(got, list) else got
@@ -217,9 +310,25 @@ class SglangClient:
         only (a request's whole output is ``r.output_token_ids + result[r.request_id].token_ids``)."""
         # a request whose input the ledger does not carry is never resubmitted (it would run on
         # another input); its client's retry sends the input again
-        left, reqs = split_left(requests)
+        reqs = list(requests)
+        left, _ = split_left(reqs)
+        token = self.token()
+        if token is not None:
+            # a continuation its client cannot collect would be computed twice: leave it to the retry
+            for r in reqs:
+                if r.request_id not in left and (why := (r.api or {}).get("unattachable")):
+                    left[r.request_id] = Completion(r.request_id, left_to_client=why)
+            self.expect(reqs, token, left={rid: c.left_to_client or "" for rid, c in left.items()})
+        reqs = [r for r in reqs if r.request_id not in left]
         if not reqs:
             return left
+
+        def extra(r: Resubmission) -> dict[str, str] | None:
+            if token is None or not r.api:
+                return None
+            info = {"id": r.request_id, "api": r.api, "prompt_len": r.num_prompt_tokens}
+            return {RESUBMIT_HEADER: json.dumps(info, separators=(",", ":")), TOKEN_HEADER: token}
+
         with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:
             futs = {
                 r.request_id: pool.submit(
@@ -231,6 +340,7 @@ class SglangClient:
                     cache_salt=r.cache_salt,
                     priority=r.priority,
                     stream=stream,
+                    headers=extra(r),
                 )
                 for r in reqs
             }
