@@ -148,6 +148,18 @@ def kinds(rng: random.Random) -> dict[str, tuple[str, dict[str, Any], int]]:
             },
             1,
         ),
+        # any JSON object (vLLM's json_object grammar), not streamed
+        "jsonobj": (
+            "chat",
+            {
+                "messages": chat(15),
+                "temperature": 0.0,
+                "max_tokens": 300,
+                "response_format": {"type": "json_object"},
+                "return_token_ids": True,
+            },
+            1,
+        ),
         "penalised": (
             "chat",
             {
@@ -366,6 +378,7 @@ def test_the_ledger_judges_every_kind_exact_and_carries_the_api_facts(retried: d
         "chatcmpl-chatlp",
         "cmpl-stopstr-0",
         "chatcmpl-json",
+        "chatcmpl-jsonobj",
         "chatcmpl-penalised",
         "chatcmpl-topp",
         "cmpl-mixed-0",
@@ -432,6 +445,11 @@ def test_each_retry_gets_the_whole_uninterrupted_answer(retried: dict[str, Any])
     args = json.loads(retried["retries"]["tool"]["choices"][0]["tools"])
     assert len(args["words"]) == 30
     assert retried["retries"]["choice"]["choices"][0]["text"] in CHOICES
+    # a JSON object where the grammar finished it (a random model may spend its budget first: the
+    # uninterrupted run's answer, compared above, is then cut alike)
+    obj = retried["retries"]["jsonobj"]["choices"][0]
+    if obj["finish"] == "stop":
+        assert isinstance(json.loads(obj["text"]), dict)
 
 
 def test_a_continuation_whose_grammar_could_not_be_applied_never_reaches_a_client(retried: dict[str, Any]) -> None:
