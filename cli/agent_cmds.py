@@ -272,8 +272,9 @@ def restore_cmd(
         except OSError as exc:
             raise ckpt.WorkerUnreachable(f"no worker answering on {connector}: {exc}") from None
         if dry_run:
+            held = _quarantined(connector, m)
             if json_:
-                typer.echo(json.dumps(decision.to_json(), default=str))
+                typer.echo(json.dumps({**decision.to_json(), **held}, default=str))
             else:
                 table = Table(title=f"restore plan for {m.id}", title_justify="left")
                 for col in ("rule", "verdict", "checkpoint", "here"):
@@ -287,6 +288,10 @@ def restore_cmd(
                     typer.echo(safe(f"  {line}"))
                 for rid, causes in decision.inexact.items():
                     typer.echo(safe(f"  {rid}: not an exact continuation: {'; '.join(causes)}"))
+                for rid, why in held.get("quarantined", {}).items():
+                    typer.echo(safe(f"  {rid}: not resubmitted: {why}"))
+                if held.get("quarantine_refused"):
+                    typer.echo(safe(f"  {held['quarantine_refused']}"))
             if not decision.warm:
                 raise typer.Exit(exitcodes.INCOMPATIBLE)
             return
@@ -378,6 +383,23 @@ def _has_checkpoint(ctx: typer.Context, repo: str | None, key: str | None, worke
         return False
 
 
+def _quarantined(connector: str, m: ckpt.Manifest) -> dict[str, Any]:
+    """What the crash-loop record beside the worker (``launch``'s runtime directory: the connector
+    socket's) makes a restore of ``m`` leave out (:mod:`agent.daemon.quarantine`)."""
+    from agent.daemon import quarantine
+    from agent.engines import ledgers
+
+    ids = [r.request_id for r in ledgers.format_of(m.ledger).resubmissions(m.ledger)] if m.ledger else []
+    path = quarantine.path_for(Path(connector).parent, m.worker_id)
+    v = quarantine.verdict(path, worker_id=m.worker_id, checkpoint=m.id, ledger_ids=ids)
+    out: dict[str, Any] = {}
+    if v.quarantined:
+        out["quarantined"] = v.quarantined
+    if v.refused:
+        out["quarantine_refused"] = v.refused
+    return out
+
+
 def launch_cmd(
     ctx: typer.Context,
     command: Annotated[
@@ -465,6 +487,9 @@ def launch_cmd(
             if worker.poll() is not None:
                 typer.echo(f"gpuckpt: the worker exited with {worker.returncode}", err=True)
                 code = worker.returncode or 1
+                # soon after a restore: what it was running is quarantined for the next restore
+                if quarantined := agent.worker_died():
+                    typer.echo(f"gpuckpt: quarantined for the next restore: {', '.join(quarantined)}", err=True)
                 break
         agent.shutdown(final=cfg.checkpoint.on_stop and worker.poll() is None)
     finally:

@@ -457,6 +457,11 @@ class Agent:
                 time.sleep(0.5)
         return False
 
+    def worker_died(self) -> list[str]:
+        """``launch`` saw the worker exit unasked: record the requests a worker that died soon after
+        its restore was running (:meth:`RestoreAtStart.worker_died`); returns them."""
+        return self._restore.worker_died() if self._restore is not None else []
+
     def restore_at_start(self) -> RestoreReport:
         """Restore this worker's checkpoint (warm or cold with replay) into the attached worker."""
         assert self.repo is not None

@@ -26,9 +26,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agent import session
+from agent.daemon import quarantine
 from agent.daemon.config import AgentConfig
 from agent.daemon.metrics import Metrics
 from agent.daemon.reporting import describe_error, now
@@ -71,6 +73,10 @@ class RestoreReport:
     adopted: Mapping[str, Any] | None = None
     #: checkpoints looked at for adoption and passed over, each with why
     passed_over: tuple[str, ...] = ()
+    #: requests of the checkpoint not resubmitted because a worker died running them after an
+    #: earlier restore (:mod:`.quarantine`), each with why; and why a quarantine record was refused
+    quarantined: Mapping[str, str] = field(default_factory=dict)
+    quarantine_refused: str | None = None
 
     def to_json(self, *, results: bool = True) -> dict[str, Any]:
         """The report; without ``results`` (large: ``GET /restore`` has them) for the status."""
@@ -101,6 +107,10 @@ class RestoreReport:
             out["adopted"] = dict(self.adopted)
         if self.passed_over:
             out["passed_over"] = list(self.passed_over)
+        if self.quarantined:
+            out["quarantined"] = dict(self.quarantined)
+        if self.quarantine_refused:
+            out["quarantine_refused"] = self.quarantine_refused
         return out
 
 
@@ -137,6 +147,12 @@ class RestoreAtStart:
         self._claim: claims.Claim | None = None
         self._parts = 0  # the threads still running for a claimed restore (the rest, the resubmission)
         self._verdict: tuple[str, str] = ("", "")
+        #: the crash-loop record beside the worker (:mod:`.quarantine`), and what this restore has
+        #: running in the worker: since when, of which checkpoint, the requests not yet finished
+        self._quarantine = quarantine.path_for(Path(cfg.connector_socket).parent, cfg.worker_id)
+        self._resubmitted_at: float | None = None
+        self._checkpoint: str | None = None
+        self._pending: set[str] = set()
 
     @property
     def report(self) -> RestoreReport | None:
@@ -324,6 +340,27 @@ class RestoreAtStart:
                 log.warning("retention of the adopted worker failed", extra={"error": describe_error(exc)})
 
     def _planned(self, plan: RestorePlan, checkpoint: str, client: ServingClient | None, t0: float) -> RestoreReport:
+        # a request a worker died running after an earlier restore of this checkpoint is left to its
+        # client (its retry runs it anew): a crash loop is broken, not repeated
+        verdict = quarantine.verdict(
+            self._quarantine,
+            worker_id=self.cfg.worker_id,
+            checkpoint=checkpoint,
+            ledger_ids=[r.request_id for r in plan.requests],
+        )
+        if verdict.quarantined:
+            plan = dataclasses.replace(
+                plan,
+                requests=[
+                    Resubmission.left(r.request_id, verdict.quarantined[r.request_id], r.api)
+                    if r.request_id in verdict.quarantined
+                    else r
+                    for r in plan.requests
+                ],
+            )
+            for rid, reason in verdict.quarantined.items():
+                log.error("request quarantined: not resubmitted", extra={"request": rid, "why": reason})
+        self._update(quarantined=verdict.quarantined, quarantine_refused=verdict.refused)
         outcome = "warm" if plan.warm else "cold"
         reason = "pins match" if plan.warm else (plan.reasons[0].split(":")[0] if plan.reasons else "unknown")
         self.metrics.restores.labels(outcome=outcome, reason=reason).inc()
@@ -355,6 +392,9 @@ class RestoreAtStart:
             report = self._update(rest={"state": "streaming"})
             threading.Thread(target=self._await_rest, args=(plan,), name="gpuckpt-restore-rest", daemon=True).start()
         if client is not None and plan.requests:
+            with self._lock:
+                self._checkpoint, self._resubmitted_at = checkpoint, time.monotonic()
+                self._pending = {r.request_id for r in plan.requests if r.left_to_client is None}
             # A one-shot thread: not among the agent's threads, whose liveness the watchdog checks.
             threading.Thread(
                 target=self._resubmit, args=(client, plan.requests), name="gpuckpt-resubmit", daemon=True
@@ -367,6 +407,40 @@ class RestoreAtStart:
                 client.close()
         self._part_done()
         return self.report or report
+
+    def _finished(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.discard(request_id)
+
+    def worker_died(self) -> list[str]:
+        """The worker died (``launch`` saw it exit without being asked to stop): if that was within
+        :data:`quarantine.WINDOW_S` of this restore's resubmission, record the resubmitted requests
+        it was still running (:func:`quarantine.record`), so that the next restore of the
+        checkpoint leaves them to their clients. Returns those requests."""
+        with self._lock:
+            since, checkpoint, running = self._resubmitted_at, self._checkpoint, sorted(self._pending)
+        if since is None or checkpoint is None or not running:
+            return []
+        after = time.monotonic() - since
+        if after > quarantine.WINDOW_S:
+            return []
+        why = f"{after:.0f} s after the restore of {checkpoint} resubmitted it"
+        try:
+            quarantine.record(
+                self._quarantine,
+                worker_id=self.cfg.worker_id,
+                checkpoint=checkpoint,
+                requests=running,
+                why=why,
+                at=now(),
+            )
+        except OSError as exc:
+            log.error("could not record the quarantine", extra={"path": str(self._quarantine), "error": str(exc)})
+            return []
+        log.error(
+            "worker died after the restore: requests quarantined", extra={"checkpoint": checkpoint, "requests": running}
+        )
+        return running
 
     def _await_rest(self, plan: RestorePlan) -> None:
         """The rest of a streaming restore arrives behind the resubmitted requests: record when it has."""
@@ -385,7 +459,7 @@ class RestoreAtStart:
         self._update(resubmission={"state": "running", "requests": len(requests)})
         try:
             # one response per request: nobody watches the agent's streams, the clients' retries do
-            done = session.resubmit(client, requests, stream=False, worker=self.engine)
+            done = session.resubmit(client, requests, stream=False, worker=self.engine, on_done=self._finished)
         except Exception as exc:
             self._update(resubmission={"state": "failed", "error": describe_error(exc)})
             log.error("resubmission failed", extra={"error": describe_error(exc)})

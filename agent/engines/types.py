@@ -402,9 +402,12 @@ class ServingClient(Protocol):
         """Greedy: ``n`` new tokens after ``prompt_ids`` (the canary probe)."""
         ...
 
-    def submit(self, requests: Iterable[Resubmission], *, stream: bool = ...) -> Mapping[str, Completion]:
+    def submit(
+        self, requests: Iterable[Resubmission], *, stream: bool = ..., on_done: Callable[[str], None] | None = ...
+    ) -> Mapping[str, Completion]:
         """Each request under its original id, to completion; outputs by request id (``stream``:
-        whether the server streams them back; each client has its own default)."""
+        whether the server streams them back; each client has its own default; ``on_done``: told
+        each request id as its completion comes back — not one that failed)."""
         ...
 
     def close(self) -> None: ...

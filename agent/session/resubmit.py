@@ -12,7 +12,7 @@ CLI's outputs (:meth:`Continuation.output`, in :meth:`Restored.to_json`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +126,7 @@ def resubmit(
     *,
     stream: bool | None = None,
     worker: WorkerLike | None = None,
+    on_done: Callable[[str], None] | None = None,
 ) -> Resubmitted:
     """Submit ``requests`` to the worker's API, each under its original id, to completion.
 
@@ -140,7 +141,10 @@ def resubmit(
     worker gives. The client's errors propagate.
     """
     requests = [r.from_prompt() for r in requests]
-    outs = dict(client.submit(requests) if stream is None else client.submit(requests, stream=stream))
+    kw: dict[str, Any] = {} if stream is None else {"stream": stream}
+    if on_done is not None:
+        kw["on_done"] = on_done
+    outs = dict(client.submit(requests, **kw))
     unapplied, voided = unapplied_states(worker) if worker is not None else ({}, {})
     for rid, why in voided.items():
         if rid in outs:  # the continuation was dropped: its client's retry computes the request anew

@@ -10,13 +10,14 @@ text round trip can shift a token. A resubmitted request keeps its original ``ri
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -304,7 +305,12 @@ class SglangClient:
         return self.complete(prompt_ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}).token_ids
 
     def submit(
-        self, requests: Iterable[Resubmission], *, max_concurrency: int = 64, stream: bool = False
+        self,
+        requests: Iterable[Resubmission],
+        *,
+        max_concurrency: int = 64,
+        stream: bool = False,
+        on_done: Callable[[str], None] | None = None,
     ) -> dict[str, Completion]:
         """Resubmit a restored ledger under the original rids; each completion holds the new tokens
         only (a request's whole output is ``r.output_token_ids + result[r.request_id].token_ids``)."""
@@ -344,4 +350,14 @@ class SglangClient:
                 )
                 for r in reqs
             }
+            if on_done is not None:
+                for rid, f in futs.items():
+                    f.add_done_callback(functools.partial(_tell, on_done, rid))
             return {**left, **{rid: f.result() for rid, f in futs.items()}}
+
+
+def _tell(on_done: Callable[[str], None], request_id: str, done: Future[Completion]) -> None:
+    """A resubmission's completion came back: say so (``submit``'s ``on_done``). One that failed is
+    not said to be done: a worker that died was still running it."""
+    if not done.cancelled() and done.exception() is None:
+        on_done(request_id)

@@ -36,6 +36,7 @@ serve`` runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -378,7 +379,12 @@ class ServeClient:
         return float(r.json().get("held_s", 0.0))
 
     def submit(
-        self, requests: Iterable[Resubmission], *, max_concurrency: int = 64, stream: bool = True
+        self,
+        requests: Iterable[Resubmission],
+        *,
+        max_concurrency: int = 64,
+        stream: bool = True,
+        on_done: Callable[[str], None] | None = None,
     ) -> dict[str, Completion]:
         """Resubmit a restored ledger; returns each request's completion under its original id.
 
@@ -432,4 +438,14 @@ class ServeClient:
                 )
                 for r in reqs
             }
+            if on_done is not None:
+                for rid, f in futs.items():
+                    f.add_done_callback(functools.partial(_tell, on_done, rid))
             return {**left, **{rid: f.result() for rid, f in futs.items()}}
+
+
+def _tell(on_done: Callable[[str], None], request_id: str, done: Future[Completion]) -> None:
+    """A resubmission's completion came back: say so (``submit``'s ``on_done``). One that failed is
+    not said to be done: a worker that died was still running it."""
+    if not done.cancelled() and done.exception() is None:
+        on_done(request_id)
