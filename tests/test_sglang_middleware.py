@@ -181,3 +181,31 @@ def test_the_checkpoint_carries_each_request_s_api_facts_and_refuses_malformed_o
     assert resubmissions(_ledger(api={"endpoint": "chat"}))[0].api is None
     assert mw.key_of("a", facts) == ("r", "chat", 0)
     assert mw.key_of("a", {**facts, "request_id": None}) is None
+
+
+def test_an_end_the_worker_gave_a_call_reaches_its_client_as_an_error_never_as_an_answer() -> None:
+    """SGLang ends a request it aborts (an operator's ``/abort_request``, the server ending it)
+    with ``finish_reason`` ``abort`` in a 200: through the middleware the client's call gets an
+    error instead (SGLang's handler answers the ``ValueError`` as an error), after what it had;
+    an answer that finishes is untouched."""
+
+    async def engine(fin: dict[str, Any]) -> Any:
+        yield {"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}}
+        yield {"text": "ab", "output_ids": [1, 2], "meta_info": {"finish_reason": fin}}
+
+    async def serve(fin: dict[str, Any]) -> tuple[list[Any], BaseException | None]:
+        got: list[Any] = []
+        try:
+            async for item in mw._never_aborted(engine(fin)):
+                got.append(item)
+        except ValueError as exc:
+            return got, exc
+        return got, None
+
+    got, err = asyncio.run(serve({"type": "abort", "message": "Aborted"}))
+    assert len(got) == 1
+    assert err is not None
+    assert "retry" in str(err)
+    got, err = asyncio.run(serve({"type": "length", "length": 2}))
+    assert err is None
+    assert len(got) == 2

@@ -20,6 +20,11 @@ the HTTP server and the tokenizer manager live, and does what vLLM's does
    the wrapped ``generate_request`` yields what SGLang's would, the checkpoint's outputs then the
    continuation's, detokenized by the server's tokenizer. Anything else is served as new, and
    ``X-Gpuckpt-Attach`` says why.
+4. **A worker's end is never an answer**: a call SGLang ends with ``finish_reason`` ``abort``
+   (an operator's ``/abort_request``, the server ending it) reaches its client as an error,
+   never as a short answer that looks finished. (On SIGTERM SGLang finishes the requests in
+   flight before it exits; what ``launch``'s watchdog cuts after its grace is a closed
+   connection, an error too.)
 
 What is not carried on SGLang (each retry is served anew, saying so): parallel sampling
 (``n > 1``: SGLang gives each sample a fresh id), logprobs, and the requests SGLang's ledger
@@ -92,7 +97,7 @@ def sglang_unattachable(doc: Mapping[str, Any]) -> str | None:
 
 @dataclass
 class _Call:
-    kind: str  # "resubmit" | "attach"
+    kind: str  # "resubmit" | "attach" | "serve" (a client's call SGLang serves itself)
     rid: str = ""
     api: dict[str, Any] = field(default_factory=dict)
     prompt_len: int = 0
@@ -228,14 +233,16 @@ class GpuckptSglangMiddleware:
                 server.book.count("refused")
             elif found.kind == "new":
                 outcome = found.outcome
+        if call is None:
+            call = _Call("serve")  # served by SGLang itself: an end it did not ask for is an error
         if int(doc.get("n") or 1) > 1 or (given is not None and not isinstance(given, str)):
             return call, outcome, body  # SGLang names each sample itself
         rid = given if isinstance(given, str) else f"gpuckpt-{uuid.uuid4().hex}"
-        if call is None and base and (cont := server.book.get(base, endpoint)) is not None and not cont.complete:
+        running = server.book.get(base, endpoint) if base and call.kind == "serve" else None
+        if running is not None and not running.complete:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # its continuation runs under the same rid
         doc["rid"] = rid
-        if call is not None:
-            call.rid = rid
+        call.rid = rid
         server.record(rid, facts)
         return call, outcome, json.dumps(doc).encode()
 
@@ -272,10 +279,37 @@ def install(http_server: Any, extra: Mapping[str, Any], *, incremental: bool = F
                 return _resubmitted(_SERVERS[0], call, real(self, obj, request), obj)
             if call.kind == "attach":
                 return _attached(_SERVERS[0], call, self, obj)
+            if call.kind == "serve":
+                return _never_aborted(real(self, obj, request))
         return real(self, obj, request)  # type: ignore[no-any-return]
 
     generate_request.__gpuckpt__ = True  # type: ignore[attr-defined]
     TokenizerManager.generate_request = generate_request
+
+
+#: what a client is told of a request the worker ended before it finished
+ENDED = "gpuckpt: the worker ended this request before it finished (it is stopping or restarting); retry the request"
+
+
+def _aborted(item: Any) -> bool:
+    items = item if isinstance(item, list) else [item]
+    for it in items:
+        fin = (it.get("meta_info") or {}).get("finish_reason") if isinstance(it, Mapping) else None
+        if isinstance(fin, Mapping) and fin.get("type") == "abort":
+            return True
+    return False
+
+
+async def _never_aborted(inner: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    """A client's call as SGLang serves it, where an end the worker gave it before it finished —
+    ``finish_reason`` ``abort`` (an operator's ``/abort_request``, the server ending it) — is an
+    error the client sees (SGLang's handlers answer it as an error, in the stream or as the
+    response), never a finish reason that ends a short answer as if it were whole. A client that
+    went away itself hears nothing either way."""
+    async for item in inner:
+        if _aborted(item):
+            raise ValueError(ENDED)
+        yield item
 
 
 def _ids(obj: Any) -> list[int] | None:
@@ -358,7 +392,7 @@ async def _attached(server: _Server, call: _Call, tm: Any, obj: Any) -> AsyncGen
         ids = ch.tokens()
         done = ch.done
         if done and ch.finish_reason == "abort":
-            raise ValueError("gpuckpt: the worker ended this request before it finished; retry the request")
+            raise ValueError(ENDED)
         text = _text(tm, ch, ids, skip, done)
         if (stream and (len(ids) > sent_ids or done)) or (not stream and done):
             if server.incremental and stream:
