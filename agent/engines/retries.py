@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +170,34 @@ def renew_hold(server: RetryServer, hold_s: float) -> float:
     if hold_s > 0:  # false for NaN too
         server.hold_until = max(server.hold_until, now + min(hold_s, MAX_HOLD_S))
     return max(0.0, server.hold_until - now)
+
+
+def rewritten(
+    scope: dict[str, Any], receive: Any, send: Any, body: bytes, new_body: bytes, outcome: Callable[[], str | None]
+) -> tuple[dict[str, Any], Any, Any]:
+    """The ASGI ``(scope, receive, send)`` that hand the application ``new_body`` (the body read,
+    rewritten: its ``Content-Length`` set anew) and add ``X-Gpuckpt-Attach: outcome()`` to the
+    response when it starts (read then: what the call turned out to be)."""
+    if new_body is not body:
+        scope = dict(scope)
+        scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"] + [
+            (b"content-length", str(len(new_body)).encode())
+        ]
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": new_body, "more_body": False}
+        return await receive()  # type: ignore[no-any-return]
+
+    async def send_with_outcome(msg: dict[str, Any]) -> None:
+        if msg.get("type") == "http.response.start" and (said := outcome()):
+            msg = {**msg, "headers": [*msg.get("headers", ()), (ATTACH_HEADER.encode(), header_value(said))]}
+        await send(msg)
+
+    return scope, replay, send_with_outcome
 
 
 async def read_body(receive: Any) -> bytes:

@@ -1,17 +1,25 @@
 """What the engines' HTTP clients share (no engine import): a finished completion as the agent
-sees it, and the error a worker's API answers with."""
+sees it, the error a worker's API answers with, and the agent's calls to gpuckpt's middleware in
+the worker's server (its token, ``expect``, the retry hold: :class:`AgentCalls`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from agent import fs
+from agent.engines.retries import EXPECT_PATH, TOKEN_HEADER
 from ckpt.errors import EngineRefused
 
-__all__ = ["NO_KEEPALIVE", "Completion", "ServeError", "check_response", "split_left"]
+log = logging.getLogger("gpuckpt.serve")
+
+__all__ = ["NO_KEEPALIVE", "AgentCalls", "Completion", "ServeError", "check_response", "split_left", "tell_done"]
 
 #: The agent's connections to a worker's server are not kept alive between calls. A server closes
 #: an idle connection after a few seconds (uvicorn, under vLLM's and SGLang's servers: 5 s); a call
@@ -74,3 +82,85 @@ def check_response(r: httpx.Response) -> None:
     except (ValueError, AttributeError):
         msg = r.text
     raise ServeError(f"{r.request.method} {r.request.url.path}: HTTP {r.status_code}: {str(msg)[:300]}")
+
+
+class AgentCalls:
+    """The agent's calls to gpuckpt's middleware in a worker's server, alike on every engine:
+    the worker's resubmission token (the file beside its control socket), ``expect`` and the
+    retry hold. A client sets ``_http`` (its :class:`httpx.Client`), ``_token_file`` and
+    ``_trust``."""
+
+    _http: httpx.Client
+    _token_file: str | os.PathLike[str] | None = None
+    _trust: fs.Trust | None = None
+    _token: str | None = None
+
+    def token(self) -> str | None:
+        """The worker's resubmission token (``None``: no token file, e.g. no gpuckpt middleware)."""
+        if self._token_file is None:
+            return None
+        if self._token is not None:
+            return self._token
+        try:
+            fd = fs.open_checked(self._token_file, directory=None, trust=self._trust or fs.Trust.of())
+        except FileNotFoundError:
+            return None
+        except (OSError, fs.UnsafePath) as exc:
+            # resubmissions still run, as plain requests: only the clients' retries lose the attach
+            log.warning("gpuckpt: the worker's resubmission token is not usable: %s", exc)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            self._token = f.read(256).decode("ascii", "replace").strip() or None
+        return self._token
+
+    def expect(
+        self, requests: Sequence[Any], token: str, wait_s: float = 60.0, left: dict[str, str] | None = None
+    ) -> int:
+        """Tell the worker's middleware these requests (:class:`agent.engines.types.Resubmission`:
+        ``request_id``, ``api``) are about to be resubmitted: their clients'
+        retries wait for the continuations instead of starting anew (``left``: those that are
+        not, and why, which their retries' response headers then say). Returns how many it
+        expects."""
+        left = left or {}
+        body = {
+            "requests": [
+                {
+                    "id": r.request_id,
+                    "n": (r.api or {}).get("n", 1),
+                    "left": left.get(r.request_id),
+                    "api": r.api or {},
+                }
+                for r in requests
+            ],
+            "wait_s": wait_s,
+        }
+        r = self._http.post(EXPECT_PATH, json=body, headers={TOKEN_HEADER: token})
+        check_response(r)
+        return int(r.json().get("expected", 0))
+
+    def release(self) -> None:
+        """Nothing will be resubmitted: the worker's middleware stops holding possible retries
+        (``retry_hold_s``, set when a restore was to follow its start)."""
+        token = self.token()
+        if token is not None:
+            self.expect([], token)
+
+    def hold_retries(self, seconds: float, *, timeout: float = 5.0) -> float:
+        """The restore is still under way: the worker's middleware holds possible retries
+        ``seconds`` more (a lease the agent renews while it restores; nothing holds once
+        :meth:`expect` or :meth:`release` was sent). Returns the seconds the hold has left; 0
+        where the worker holds nothing (released, or no gpuckpt middleware or token)."""
+        token = self.token()
+        if token is None:
+            return 0.0
+        # its own short timeout: a renewal stuck on a loaded server must not outlive the lease
+        r = self._http.post(EXPECT_PATH, json={"hold_s": seconds}, headers={TOKEN_HEADER: token}, timeout=timeout)
+        check_response(r)
+        return float(r.json().get("held_s", 0.0))
+
+
+def tell_done(on_done: Callable[[str], None], request_id: str, done: Future[Any]) -> None:
+    """A resubmission's completion came back: say so (a client's ``submit``'s ``on_done``). One
+    that failed is not said to be done: a worker that died was still running it."""
+    if not done.cancelled() and done.exception() is None:
+        on_done(request_id)

@@ -48,7 +48,6 @@ from typing import Any
 
 from agent.engines.continuations import Book, Choice, Continuation, body_digest, not_attachable, tenant_digest
 from agent.engines.retries import (
-    ATTACH_HEADER,
     ENDPOINTS,
     EXPECT_PATH,
     RESUBMIT_HEADER,
@@ -57,8 +56,8 @@ from agent.engines.retries import (
     authentic,
     expect,
     find_retry,
-    header_value,
     read_body,
+    rewritten,
     send_json,
     write_token,
 )
@@ -176,25 +175,8 @@ class GpuckptSglangMiddleware:
         except Exception:
             log.exception("gpuckpt: middleware")
             call, outcome, new_body = None, None, body
-        if new_body is not body:
-            scope = dict(scope)
-            scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"] + [
-                (b"content-length", str(len(new_body)).encode())
-            ]
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": new_body, "more_body": False}
-            return await receive()  # type: ignore[no-any-return]
-
-        async def send_with_outcome(msg: dict[str, Any]) -> None:
-            if msg.get("type") == "http.response.start" and outcome and endpoint:
-                msg = {**msg, "headers": [*msg.get("headers", ()), (ATTACH_HEADER.encode(), header_value(outcome))]}
-            await send(msg)
-
+        said = outcome if endpoint else None
+        scope, replay, send_with_outcome = rewritten(scope, receive, send, body, new_body, lambda: said)
         tok = _CTX.set(call)
         try:
             await self.app(scope, replay, send_with_outcome)

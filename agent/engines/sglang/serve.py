@@ -17,14 +17,22 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
 from agent import fs
-from agent.engines.retries import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
-from agent.engines.serving import NO_KEEPALIVE, Completion, ServeError, check_response, split_left
+from agent.engines.retries import RESUBMIT_HEADER, TOKEN_HEADER
+from agent.engines.serving import (
+    NO_KEEPALIVE,
+    AgentCalls,
+    Completion,
+    ServeError,
+    check_response,
+    split_left,
+    tell_done,
+)
 from agent.engines.sglang.ledger import SAMPLING_FIELDS, carry_api
 from agent.engines.types import Resubmission
 from ckpt import Ledger
@@ -126,7 +134,7 @@ def serve_command(
     ]
 
 
-class SglangClient:
+class SglangClient(AgentCalls):
     """Client for an SGLang server's ``/generate`` (thread-safe; :meth:`submit` runs concurrently so
     the resubmissions batch in the server as they did before the checkpoint)."""
 
@@ -147,55 +155,6 @@ class SglangClient:
         self._token_file = token_file
         self._trust = trust
         self._token: str | None = None
-
-    def token(self) -> str | None:
-        """The worker's resubmission token (``None``: no token file, e.g. not gpuckpt's server)."""
-        if self._token_file is None:
-            return None
-        if self._token is not None:
-            return self._token
-        try:
-            fd = fs.open_checked(self._token_file, directory=None, trust=self._trust or fs.Trust.of())
-        except FileNotFoundError:
-            return None
-        except (OSError, fs.UnsafePath) as exc:
-            log.warning("gpuckpt: the worker's resubmission token is not usable: %s", exc)
-            return None
-        with os.fdopen(fd, "rb") as f:
-            self._token = f.read(256).decode("ascii", "replace").strip() or None
-        return self._token
-
-    def expect(
-        self, requests: Sequence[Resubmission], token: str, wait_s: float = 60.0, left: dict[str, str] | None = None
-    ) -> int:
-        """Tell gpuckpt's server these requests are about to be resubmitted (``left``: those that
-        are not, and why): their clients' retries wait for the continuations. Returns how many."""
-        left = left or {}
-        body = {
-            "requests": [
-                {"id": r.request_id, "n": 1, "left": left.get(r.request_id), "api": r.api or {}} for r in requests
-            ],
-            "wait_s": wait_s,
-        }
-        r = self._http.post(EXPECT_PATH, json=body, headers={TOKEN_HEADER: token})
-        check_response(r)
-        return int(r.json().get("expected", 0))
-
-    def release(self) -> None:
-        """Nothing will be resubmitted: the server stops holding possible retries."""
-        token = self.token()
-        if token is not None:
-            self.expect([], token)
-
-    def hold_retries(self, seconds: float, *, timeout: float = 5.0) -> float:
-        """The restore is still under way: the server holds possible retries ``seconds`` more;
-        returns the seconds the hold has left (0: it holds nothing)."""
-        token = self.token()
-        if token is None:
-            return 0.0
-        r = self._http.post(EXPECT_PATH, json={"hold_s": seconds}, headers={TOKEN_HEADER: token}, timeout=timeout)
-        check_response(r)
-        return float(r.json().get("held_s", 0.0))
 
     def request_facts(self, rids: list[str]) -> dict[str, Any]:
         """The API facts gpuckpt's server recorded for these rids (``{rid: facts | None}``);
@@ -352,12 +311,5 @@ class SglangClient:
             }
             if on_done is not None:
                 for rid, f in futs.items():
-                    f.add_done_callback(functools.partial(_tell, on_done, rid))
+                    f.add_done_callback(functools.partial(tell_done, on_done, rid))
             return {**left, **{rid: f.result() for rid, f in futs.items()}}
-
-
-def _tell(on_done: Callable[[str], None], request_id: str, done: Future[Completion]) -> None:
-    """A resubmission's completion came back: say so (``submit``'s ``on_done``). One that failed is
-    not said to be done: a worker that died was still running it."""
-    if not done.cancelled() and done.exception() is None:
-        on_done(request_id)

@@ -88,7 +88,6 @@ from agent.engines.continuations import (
     valid_positions,
 )
 from agent.engines.retries import (
-    ATTACH_HEADER,
     ENDPOINTS,
     EXPECT_PATH,
     REISSUE_HEADER,
@@ -97,11 +96,11 @@ from agent.engines.retries import (
     Refuse,
     RetryServer,
     find_retry,
+    rewritten,
     write_token,
 )
 from agent.engines.retries import authentic as _authentic
 from agent.engines.retries import expect as _expect
-from agent.engines.retries import header_value as _ascii
 from agent.engines.retries import read_body as _read_body
 from agent.engines.retries import send_json as _json
 from agent.engines.vllm.ledger import API_XARG, VOID_PARAM
@@ -546,26 +545,9 @@ class GpuckptMiddleware:
         except Exception:
             log.exception("gpuckpt: middleware")
             call, new_body = None, body
-        if new_body is not body:
-            scope = dict(scope)
-            scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"] + [
-                (b"content-length", str(len(new_body)).encode())
-            ]
-
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": new_body, "more_body": False}
-            return await receive()  # type: ignore[no-any-return]
-
-        async def send_with_outcome(msg: dict[str, Any]) -> None:
-            if msg.get("type") == "http.response.start" and call is not None and call.outcome:
-                msg = {**msg, "headers": [*msg.get("headers", ()), (ATTACH_HEADER.encode(), _ascii(call.outcome))]}
-            await send(msg)
-
+        scope, replay, send_with_outcome = rewritten(
+            scope, receive, send, body, new_body, lambda: call.outcome if call is not None else None
+        )
         tok = _CTX.set(call)
         task = asyncio.current_task()
         if task is not None and server.engine is not None:

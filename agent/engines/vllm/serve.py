@@ -45,14 +45,21 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
-from agent import fs
-from agent.engines.retries import EXPECT_PATH, RESUBMIT_HEADER, TOKEN_HEADER
-from agent.engines.serving import NO_KEEPALIVE, Completion, ServeError, check_response, split_left
+from agent.engines.retries import RESUBMIT_HEADER, TOKEN_HEADER
+from agent.engines.serving import (
+    NO_KEEPALIVE,
+    AgentCalls,
+    Completion,
+    ServeError,
+    check_response,
+    split_left,
+    tell_done,
+)
 from agent.engines.types import Resubmission
 from agent.engines.vllm.ledger import SAMPLING_FIELDS, carry_logprobs
 from agent.engines.vllm.middleware import (
@@ -147,7 +154,7 @@ def header_request_id(client_request_id: str) -> str:
     return m.group("base") if m and m.group("choice") == "0" else client_request_id
 
 
-class ServeClient:
+class ServeClient(AgentCalls):
     """Client for a ``vllm serve`` worker's OpenAI-compatible completions API.
 
     Thread-safe (one :class:`httpx.Client`); :meth:`submit` runs the
@@ -299,42 +306,6 @@ class ServeClient:
         c = self.complete(prompt_ids, {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}, stream=False)
         return c.token_ids
 
-    def token(self) -> str | None:
-        """The worker's resubmission token (``None``: no token file, e.g. no gpuckpt middleware)."""
-        if self._token_file is None:
-            return None
-        if self._token is not None:
-            return self._token
-        try:
-            fd = fs.open_checked(self._token_file, directory=None, trust=self._trust or fs.Trust.of())
-        except FileNotFoundError:
-            return None
-        except (OSError, fs.UnsafePath) as exc:
-            # resubmissions still run, as plain requests: only the clients' retries lose the attach
-            log.warning("gpuckpt: the worker's resubmission token is not usable: %s", exc)
-            return None
-        with os.fdopen(fd, "rb") as f:
-            self._token = f.read(256).decode("ascii", "replace").strip() or None
-        return self._token
-
-    def expect(
-        self, requests: Sequence[Resubmission], token: str, wait_s: float = 60.0, left: dict[str, str] | None = None
-    ) -> int:
-        """Tell the worker's middleware these requests are about to be resubmitted: their clients'
-        retries wait for the continuations instead of starting anew (``left``: those that are
-        not, and why, which their retries' response headers then say). Returns how many it
-        expects."""
-        left = left or {}
-        body = {
-            "requests": [
-                {"id": r.request_id, "n": (r.api or {}).get("n", 1), "left": left.get(r.request_id)} for r in requests
-            ],
-            "wait_s": wait_s,
-        }
-        r = self._http.post(EXPECT_PATH, json=body, headers={TOKEN_HEADER: token})
-        check_response(r)
-        return int(r.json().get("expected", 0))
-
     def logprobs(self, requests: list[dict[str, Any]], wait_s: float = LOGPROBS_WAIT_S) -> dict[str, Any]:
         """The logprobs the worker's server gave out for these requests' first outputs
         (``[{"id": ledger client id, "n", "outputs": count}, …]`` → ``{id: positions | None}``),
@@ -357,26 +328,6 @@ class ServeClient:
         """A captured ledger with what only the worker's server knows of its requests: the logprobs
         of their outputs so far (:func:`agent.engines.vllm.ledger.carry_logprobs`)."""
         return carry_logprobs(ledger, self.logprobs)
-
-    def release(self) -> None:
-        """Nothing will be resubmitted: the worker's middleware stops holding possible retries
-        (``retry_hold_s``, set when a restore was to follow its start)."""
-        token = self.token()
-        if token is not None:
-            self.expect([], token)
-
-    def hold_retries(self, seconds: float, *, timeout: float = 5.0) -> float:
-        """The restore is still under way: the worker's middleware holds possible retries
-        ``seconds`` more (a lease the agent renews while it restores; nothing holds once
-        :meth:`expect` or :meth:`release` was sent). Returns the seconds the hold has left; 0
-        where the worker holds nothing (released, or no gpuckpt middleware or token)."""
-        token = self.token()
-        if token is None:
-            return 0.0
-        # its own short timeout: a renewal stuck on a loaded server must not outlive the lease
-        r = self._http.post(EXPECT_PATH, json={"hold_s": seconds}, headers={TOKEN_HEADER: token}, timeout=timeout)
-        check_response(r)
-        return float(r.json().get("held_s", 0.0))
 
     def submit(
         self,
@@ -440,12 +391,5 @@ class ServeClient:
             }
             if on_done is not None:
                 for rid, f in futs.items():
-                    f.add_done_callback(functools.partial(_tell, on_done, rid))
+                    f.add_done_callback(functools.partial(tell_done, on_done, rid))
             return {**left, **{rid: f.result() for rid, f in futs.items()}}
-
-
-def _tell(on_done: Callable[[str], None], request_id: str, done: Future[Completion]) -> None:
-    """A resubmission's completion came back: say so (``submit``'s ``on_done``). One that failed is
-    not said to be done: a worker that died was still running it."""
-    if not done.cancelled() and done.exception() is None:
-        on_done(request_id)
