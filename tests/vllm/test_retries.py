@@ -818,3 +818,51 @@ def _until_gone(pgid: int, timeout: float) -> float:
         assert time.monotonic() < deadline, f"the worker's processes outlived launch: {running_in_group(pgid)}"
         time.sleep(0.1)
     return time.monotonic()
+
+
+def test_a_schema_request_continues_under_the_server_s_default_structured_outputs_settings(
+    tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same JSON-schema chat request (streamed) and json_object one (not) on servers started
+    without ``--structured-outputs-config`` (vLLM's defaults: any whitespace): checkpointed
+    mid-decode, the worker SIGKILLed, restored on another; each retry attaches and equals the
+    uninterrupted answer (the grammar the restore compiles is the one the original ran under)."""
+    tmp = tmp_path_factory.mktemp("vllm-retries-default")
+    model = chat_model(tiny_llama_text, tmp)
+    repo = Repository.open(str(tmp / "repo"), create=True)
+    args = [
+        a
+        for i, a in enumerate(ARGS)
+        if a != "--structured-outputs-config" and ARGS[i - 1] != "--structured-outputs-config"
+    ]
+    reqs = {k: v for k, v in kinds(random.Random(5)).items() if k in ("json", "jsonobj")}
+
+    def start(name: str, cpu: int, extra: dict[str, Any] | None = None) -> ServeProcess:
+        return serve_worker(model, tmp, name, [*args, "--served-model-name", "m"], extra, cpu=cpu)
+
+    with start("a", 0) as a:
+        a.wait_ready()
+        probe = canary.record(a.client.generate)
+        calls = {k: partial(call, a.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()}
+        m, ref = checkpoint_during(a, calls, repo, live=len(reqs), canary=probe)
+        a.kill()
+    with start("b", 1, RESTORE_FOLLOWS) as b:
+        b.wait_ready()
+        plan = session.restore(
+            repo, m.id, b.control_socket, staging_dir=str(tmp / "stage-b"), generate=b.client.generate
+        )
+        resumer = Calls({"resumed": partial(session.resubmit, b.client, plan.requests, worker=b.control_socket)})
+        retries = Calls({k: partial(retrying, b.url, k, endpoint, body) for k, (endpoint, body, _) in reqs.items()})
+        resumer.start()
+        retries.start()
+        got, done = retries.join(), resumer.join()["resumed"]
+    assert plan.warm, plan.reasons
+    assert done.newly_inexact() == {}, done.newly_inexact()
+    for e in m.ledger.data["requests"]:
+        assert e["structured_outputs"]["settings"]["disable_any_whitespace"] is False, e["structured_outputs"]
+    for k, want in ref.items():
+        assert got[k]["attach"] == "attached", (k, got[k]["attach"])
+        assert got[k]["choices"][0]["ids"] == want["choices"][0]["ids"], k
+    # a document where the grammar finished it (any whitespace lets a random model spend its budget)
+    if got["json"]["choices"][0]["finish"] == "stop":
+        assert len(json.loads(got["json"]["choices"][0]["text"])["words"]) == 30
