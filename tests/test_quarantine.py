@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +118,55 @@ def test_only_a_worker_that_died_soon_after_its_restore_quarantines_what_it_was_
     r._resubmitted_at = time.monotonic() - q.WINDOW_S - 1
     assert r.worker_died() == [], "long after the restore: not taken for its crash"
     assert not r._quarantine.exists()
+
+
+def test_a_resubmission_that_fails_because_the_worker_died_quarantines_without_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart's pod has no ``launch`` to see the worker die: the agent's own resubmission does
+    (its requests fail, and the worker no longer answers on its control socket). One that fails
+    while the worker still answers (a refused request) quarantines nothing."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from agent.daemon import restore_at_start
+    from agent.daemon.restore_at_start import RestoreAtStart, RestoreReport
+
+    monkeypatch.setattr(restore_at_start, "WORKER_GONE_WAIT_S", 0.3)
+
+    def restorer(alive: bool) -> RestoreAtStart:
+        r = RestoreAtStart.__new__(RestoreAtStart)
+        r._lock = threading.Lock()
+        r._report = RestoreReport(started_at=AT)
+        r._parts = 2  # this and the planning thread's own
+        r.cfg = SimpleNamespace(worker_id="w1")  # type: ignore[assignment]
+        r._quarantine = q.path_for(tmp_path, "w1")
+        r._resubmitted_at, r._checkpoint, r._pending = time.monotonic(), "c1", {"a", "b"}
+
+        def ping() -> None:
+            if not alive:
+                raise ConnectionRefusedError("no worker")
+
+        r.engine = SimpleNamespace(channel=SimpleNamespace(ping=ping))  # type: ignore[assignment]
+        return r
+
+    class Client:
+        def submit(self, requests: Any, **kw: Any) -> Any:
+            kw["on_done"]("b")
+            raise OSError("the engine died")
+
+        def close(self) -> None:
+            pass
+
+    alive = restorer(True)
+    alive._resubmit(Client(), [])  # type: ignore[arg-type]
+    assert alive.report is not None
+    assert alive.report.resubmission["state"] == "failed"  # type: ignore[index]
+    assert not alive._quarantine.exists()
+    dead = restorer(False)
+    dead._resubmit(Client(), [])  # type: ignore[arg-type]
+    assert list(q.verdict(dead._quarantine, worker_id="w1", checkpoint="c1", ledger_ids=["a", "b"]).quarantined) == [
+        "a"
+    ]
+    assert dead.worker_died() == [], "one death, one record: launch seeing it too adds nothing"

@@ -43,6 +43,10 @@ __all__ = ["RestoreAtStart", "RestoreReport"]
 
 log = logging.getLogger("gpuckpt.agent")
 
+#: how long a failed resubmission waits for the worker to stop answering before it takes the worker
+#: for alive (and quarantines nothing)
+WORKER_GONE_WAIT_S = 5.0
+
 
 @dataclass(frozen=True)
 class RestoreReport:
@@ -412,6 +416,20 @@ class RestoreAtStart:
         with self._lock:
             self._pending.discard(request_id)
 
+    def _worker_gone(self) -> bool:
+        """Whether the worker stopped answering on its control socket within
+        :data:`WORKER_GONE_WAIT_S` (an engine that died is gone in a moment; one that merely
+        refused a request still answers)."""
+        deadline = time.monotonic() + WORKER_GONE_WAIT_S
+        while True:
+            try:
+                self.engine.channel.ping()
+            except Exception:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
     def worker_died(self) -> list[str]:
         """The worker died (``launch`` saw it exit without being asked to stop): if that was within
         :data:`quarantine.WINDOW_S` of this restore's resubmission, record the resubmitted requests
@@ -419,6 +437,7 @@ class RestoreAtStart:
         checkpoint leaves them to their clients. Returns those requests."""
         with self._lock:
             since, checkpoint, running = self._resubmitted_at, self._checkpoint, sorted(self._pending)
+            self._resubmitted_at = None  # one death, one record (launch and the resubmission both see it)
         if since is None or checkpoint is None or not running:
             return []
         after = time.monotonic() - since
@@ -463,6 +482,10 @@ class RestoreAtStart:
         except Exception as exc:
             self._update(resubmission={"state": "failed", "error": describe_error(exc)})
             log.error("resubmission failed", extra={"error": describe_error(exc)})
+            # the worker died under it (its engine killed by what it ran, say): what it was running
+            # is quarantined — whether or not a ``launch`` is there to see the death (the chart's pod)
+            if self._worker_gone():
+                self.worker_died()
             self._part_done()
             return
         finally:
