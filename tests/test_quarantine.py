@@ -105,17 +105,19 @@ def test_only_a_worker_that_died_soon_after_its_restore_quarantines_what_it_was_
     r = RestoreAtStart.__new__(RestoreAtStart)
     import threading
 
-    r._lock = threading.Lock()
+    r._lock, r._death = threading.Lock(), threading.Lock()
     r.cfg = SimpleNamespace(worker_id="w1")  # type: ignore[assignment]
     r._quarantine = q.path_for(tmp_path, "w1")
-    r._resubmitted_at, r._checkpoint, r._pending = None, None, set()
+    r._resubmitted_at, r._checkpoint, r._pending, r._died = None, None, set(), None
     assert r.worker_died() == [], "no restore resubmitted anything"
-    r._resubmitted_at, r._checkpoint, r._pending = time.monotonic(), "c1", {"a", "b"}
+    r._resubmitted_at, r._checkpoint, r._pending, r._died = time.monotonic(), "c1", {"a", "b"}, None
     r._finished("b")
     assert r.worker_died() == ["a"]
+    assert r.worker_died() == ["a"], "one death, one record: a second witness is told the first's"
+    assert json.loads(r._quarantine.read_text())["body"]["requests"]["a"]["count"] == 1
     assert list(q.verdict(r._quarantine, worker_id="w1", checkpoint="c1", ledger_ids=["a", "b"]).quarantined) == ["a"]
     r._quarantine.unlink()
-    r._resubmitted_at = time.monotonic() - q.WINDOW_S - 1
+    r._resubmitted_at, r._died = time.monotonic() - q.WINDOW_S - 1, None
     assert r.worker_died() == [], "long after the restore: not taken for its crash"
     assert not r._quarantine.exists()
 
@@ -137,7 +139,7 @@ def test_a_resubmission_that_fails_because_the_worker_died_quarantines_without_l
 
     def restorer(alive: bool) -> RestoreAtStart:
         r = RestoreAtStart.__new__(RestoreAtStart)
-        r._lock = threading.Lock()
+        r._lock, r._death, r._died = threading.Lock(), threading.Lock(), None
         r._report = RestoreReport(started_at=AT)
         r._parts = 2  # this and the planning thread's own
         r.cfg = SimpleNamespace(worker_id="w1")  # type: ignore[assignment]
@@ -169,4 +171,5 @@ def test_a_resubmission_that_fails_because_the_worker_died_quarantines_without_l
     assert list(q.verdict(dead._quarantine, worker_id="w1", checkpoint="c1", ledger_ids=["a", "b"]).quarantined) == [
         "a"
     ]
-    assert dead.worker_died() == [], "one death, one record: launch seeing it too adds nothing"
+    assert dead.worker_died() == ["a"], "one death, one record: launch seeing it too is told the same"
+    assert json.loads(dead._quarantine.read_text())["body"]["requests"]["a"]["count"] == 1

@@ -157,6 +157,9 @@ class RestoreAtStart:
         self._resubmitted_at: float | None = None
         self._checkpoint: str | None = None
         self._pending: set[str] = set()
+        #: what the worker's death quarantined (once recorded), and the lock that makes it once
+        self._death = threading.Lock()
+        self._died: list[str] | None = None
 
     @property
     def report(self) -> RestoreReport | None:
@@ -434,10 +437,16 @@ class RestoreAtStart:
         """The worker died (``launch`` saw it exit without being asked to stop): if that was within
         :data:`quarantine.WINDOW_S` of this restore's resubmission, record the resubmitted requests
         it was still running (:func:`quarantine.record`), so that the next restore of the
-        checkpoint leaves them to their clients. Returns those requests."""
+        checkpoint leaves them to their clients. Returns those requests. One death, one record:
+        ``launch`` and the failed resubmission may both see it; the second is told the first's."""
+        with self._death:
+            if self._died is None:
+                self._died = self._record_death()
+            return list(self._died)
+
+    def _record_death(self) -> list[str]:
         with self._lock:
             since, checkpoint, running = self._resubmitted_at, self._checkpoint, sorted(self._pending)
-            self._resubmitted_at = None  # one death, one record (launch and the resubmission both see it)
         if since is None or checkpoint is None or not running:
             return []
         after = time.monotonic() - since
