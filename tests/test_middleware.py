@@ -231,7 +231,7 @@ def test_a_voided_continuation_is_never_served_and_its_retries_are_served_anew()
                 return outs()
 
         wrapped = mwmod._Wrapped(Engine(), book)
-        sp = SimpleNamespace(output_kind=RequestOutputKind.DELTA, n=1)
+        sp = pytest.importorskip("vllm.sampling_params").SamplingParams(output_kind=RequestOutputKind.DELTA)
         token = mwmod._CTX.set(mwmod._Call("resubmit", cid="chatcmpl-v", api=api, prompt_len=2))
         try:
             gen = wrapped.generate({"prompt_token_ids": [1, 2, 3, 4]}, sp, "chatcmpl-v")
