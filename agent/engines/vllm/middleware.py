@@ -205,31 +205,27 @@ class _Wrapped:
         seen: dict[int, int] = {}
         logs.start(request_id)
         inner = real(prompt, engine_sp, request_id, *args, **kw)
-        merged = None
-        try:
-            async for ro in inner:
-                for out in getattr(ro, "outputs", ()) or ():
-                    lps = getattr(out, "logprobs", None)
-                    if lps is None:
-                        continue
-                    fresh = list(lps)[seen.get(out.index, 0) :] if whole else list(lps)
-                    seen[out.index] = seen.get(out.index, 0) + len(fresh)
-                    try:
-                        logs.add(request_id, int(out.index), [encode_position(p) for p in fresh])
-                    except Exception:  # recording never fails the request
-                        log.exception("gpuckpt: recording logprobs of %s", request_id)
-                if engine_sp is sp:
+
+        async def recorded() -> AsyncGenerator[Any, None]:
+            try:
+                async for ro in inner:
+                    for out in getattr(ro, "outputs", ()) or ():
+                        lps = getattr(out, "logprobs", None)
+                        if lps is None:
+                            continue
+                        fresh = list(lps)[seen.get(out.index, 0) :] if whole else list(lps)
+                        seen[out.index] = seen.get(out.index, 0) + len(fresh)
+                        try:
+                            logs.add(request_id, int(out.index), [encode_position(p) for p in fresh])
+                        except Exception:  # recording never fails the request
+                            log.exception("gpuckpt: recording logprobs of %s", request_id)
                     yield ro
-                elif merged is None:
-                    merged = ro
-                else:
-                    merged.add(ro, aggregate=True)
-            if merged is not None:
-                yield merged
-        finally:
-            logs.end(request_id)
-            if (aclose := getattr(inner, "aclose", None)) is not None:
-                await aclose()
+            finally:
+                logs.end(request_id)
+                await _close(inner)
+
+        async for ro in _as_asked(recorded(), merge=engine_sp is not sp):
+            yield ro
 
     def _resubmit(
         self, call: _Call, ids: list[int] | None, real: Any, prompt: Any, sp: Any, args: Any, kw: Any
@@ -256,7 +252,6 @@ class _Wrapped:
         inner = real(prompt, engine_sp, call.cid, *args, **kw)
 
         async def tee() -> AsyncGenerator[Any, None]:
-            merged = None
             try:
                 async for ro in inner:
                     void = (getattr(ro, "kv_transfer_params", None) or {}).get(VOID_PARAM)
@@ -270,14 +265,7 @@ class _Wrapped:
                             if out.finish_reason is not None:
                                 ch.finish_reason, ch.stop_reason, ch.done = out.finish_reason, out.stop_reason, True
                         cont.notify()
-                    if engine_sp is sp:
-                        yield ro
-                    elif merged is None:
-                        merged = ro
-                    else:
-                        merged.add(ro, aggregate=True)
-                if merged is not None:
-                    yield merged
+                    yield ro
             finally:
                 if ch is not None and cont is not None and not ch.done:
                     ch.finish_reason, ch.done = ABORT, True
@@ -286,7 +274,7 @@ class _Wrapped:
                         cont.ended = time.monotonic()
                     cont.notify()
 
-        return tee()
+        return _as_asked(tee(), merge=engine_sp is not sp)
 
     async def _replay(self, call: _Call, sp: Any, request_id: str) -> AsyncGenerator[Any, None]:
         """The response's engine outputs, from the continuation: each choice's tokens from
@@ -395,6 +383,31 @@ class _Wrapped:
                 log.exception("gpuckpt: aborting a continuation past its stop string")
 
 
+async def _as_asked(outputs: AsyncGenerator[Any, None], *, merge: bool) -> AsyncGenerator[Any, None]:
+    """A request's engine outputs as its caller asked for them: as they come, or — ``merge``: the
+    caller wants one response at the end, and the engine was asked for deltas so that gpuckpt
+    sees each token — merged into that one response."""
+    merged = None
+    try:
+        async for ro in outputs:
+            if not merge:
+                yield ro
+            elif merged is None:
+                merged = ro
+            else:
+                merged.add(ro, aggregate=True)
+        if merged is not None:
+            yield merged
+    finally:
+        await _close(outputs)
+
+
+async def _close(outputs: Any) -> None:
+    """End an engine-output generator at once (vLLM's own handler aborts an unfinished request)."""
+    if (aclose := getattr(outputs, "aclose", None)) is not None:
+        await aclose()
+
+
 #: vLLM's finish reason of a request the engine ended before it finished (not an OpenAI one)
 ABORT = "abort"
 _ENDED = "gpuckpt: the worker ended this request before it finished (it is stopping or restarting); retry the request"
@@ -412,8 +425,7 @@ async def _never_aborted(outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[A
                 raise _retryable(_ENDED)
             yield ro
     finally:
-        if (aclose := getattr(outputs, "aclose", None)) is not None:
-            await aclose()  # at once, as vLLM's own handler would (it aborts an unfinished request)
+        await _close(outputs)
 
 
 #: how often the API server's watch looks whether its engine is still there, while requests run
