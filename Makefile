@@ -9,8 +9,14 @@ SGVENV  ?= .venv-sglang
 SGPY     = $(SGVENV)/bin/python
 SGSTAMP  = $(SGVENV)/.installed
 ENGINE  ?= vllm
+# vLLM's CUDA releases the version-independent vLLM tests also run against (0.32 is $(VENV)'s CPU
+# build): one venv each, the wheel without its CUDA dependencies beside the CPU torch
+# (tests/vllm_versions/requirements.py). Their tests are marked vllm_classes: vLLM's Python
+# classes only, never a model. `make test VLLM_VERSIONS=` skips them.
+VLLM_VERSIONS ?= 0.33.0 0.34.0
+VSTAMPS  = $(foreach v,$(VLLM_VERSIONS),.venv-vllm-$(v)/.installed)
 
-.PHONY: test lint check bench bench-vllm bench-retries bench-overhead bench-sglang-pause demo demo-repo clean sglang-venv
+.PHONY: test vllm-versions lint check bench bench-vllm bench-retries bench-overhead bench-sglang-pause demo demo-repo clean sglang-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +49,29 @@ $(SGSTAMP): pyproject.toml tests/sglang/requirements.txt tests/sglang/constraint
 
 sglang-venv: $(SGSTAMP)
 
-test: $(STAMP) $(SGSTAMP)
+# One vLLM release's venv: the wheel --no-deps, then what it requires less torch and the GPU-only
+# packages, then gpuckpt with its test extra (pytest and the tests' own needs).
+.venv-vllm-%/.installed: pyproject.toml tests/vllm_versions/requirements.py
+	rm -rf .venv-vllm-$*
+	$(PYTHON) -m venv .venv-vllm-$*
+	.venv-vllm-$*/bin/python -m pip install -q --upgrade pip
+	.venv-vllm-$*/bin/python -m pip install -q torch==2.13.0
+	.venv-vllm-$*/bin/python -m pip install -q --no-deps vllm==$*
+	.venv-vllm-$*/bin/python tests/vllm_versions/requirements.py > .venv-vllm-$*/requirements.txt
+	.venv-vllm-$*/bin/python -m pip install -q -r .venv-vllm-$*/requirements.txt
+	.venv-vllm-$*/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+vllm-versions: $(VSTAMPS)
+
+# The version-independent vLLM tests once per release in VLLM_VERSIONS (the standin answers the
+# CPU platform's triton-cpu check, which only running a model needs), then the whole suite.
+test: $(STAMP) $(SGSTAMP) $(VSTAMPS)
+	@for v in $(VLLM_VERSIONS); do \
+	  echo "== vLLM $$v: the version-independent vLLM tests"; \
+	  PYTHONPATH=$(abspath tests/vllm_versions/standin) .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider \
+	    -m vllm_classes --ignore=tests/vllm --ignore=tests/sglang tests || exit 1; \
+	done
 	GPUCKPT_REQUIRE_SGLANG=1 GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 lint: $(STAMP)
@@ -52,6 +80,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy bench
 	# the import contracts in pyproject.toml ([tool.importlinter])
 	$(VENV)/bin/lint-imports
+	# the images' Containerfiles (deploy/images)
+	HADOLINT=$(VENV)/bin/hadolint sh deploy/images/lint.sh
 
 check: lint test
 
@@ -84,4 +114,4 @@ bench-sglang-pause: $(STAMP) $(SGSTAMP)
 	GPUCKPT_SGLANG_PYTHON=$(abspath $(SGPY)) $(PY) bench/sglang_capture_pause.py
 
 clean:
-	rm -rf $(VENV) $(SGVENV) .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGVENV) .venv-vllm-* .demo build *.egg-info .pytest_cache .mypy_cache .ruff_cache

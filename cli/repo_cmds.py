@@ -100,10 +100,14 @@ def key_generate(
 
 
 def env_cmd(json_: JsonOpt = False) -> None:
-    """This host's facts, as a checkpoint taken here would pin them."""
+    """This host's facts, as a checkpoint taken here would pin them, and the engines installed here
+    against the versions gpuckpt supports (a worker outside them runs with gpuckpt disabled)."""
+    from agent.engines import versions
+
     facts = ckpt.host_facts()
+    engines = [versions.support(e).as_json() for e in versions.SUPPORTED]
     if json_:
-        emit_json(facts.model_dump(mode="json"))
+        emit_json({**facts.model_dump(mode="json"), "engines": engines})
         return
     table = Table(title="host facts", title_justify="left")
     table.add_column("fact")
@@ -111,6 +115,13 @@ def env_cmd(json_: JsonOpt = False) -> None:
     for name, value in facts.model_dump().items():
         table.add_row(name, show(value))
     console().print(table)
+    et = Table(title="engines", title_justify="left")
+    for col in ("engine", "installed", "supported", ""):
+        et.add_column(col)
+    for e in engines:
+        verdict = "-" if e["version"] is None else ("ok" if e["ok"] else "outside the range: gpuckpt disabled")
+        et.add_row(e["engine"], e["version"] or "not installed", e["supported"], verdict)
+    console().print(et)
 
 
 # -- ls and inspect ---------------------------------------------------------------------------

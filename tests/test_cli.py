@@ -421,13 +421,23 @@ def test_multi_line_error_is_one_line(repo_dir: tuple[Path, ckpt.Manifest], monk
 
 
 def test_env(here: HostFacts) -> None:
+    from agent.engines import versions
+
     r = run("env", "--json")
     assert r.exit_code == 0, r.output
-    assert HostFacts.model_validate(as_json(r)) == here
+    doc = as_json(r)
+    engines = {e["engine"]: e for e in doc.pop("engines")}
+    assert HostFacts.model_validate(doc) == here
+    # each engine installed here against the range a worker checks at start
+    assert set(engines) == set(versions.SUPPORTED)
+    for name, e in engines.items():
+        assert e["supported"] == versions.SUPPORTED[name]
+        assert e["version"] == versions.installed(name)
     r = run("env")
     assert r.exit_code == 0
     assert "cpu_arch" in r.stdout
     assert str(here.cpu_arch) in r.stdout
+    assert versions.SUPPORTED["vllm"] in r.stdout
 
 
 def test_init_and_key_generate(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from agent.engines.types import WorkerDescription
 from agent.session import worker as worker_mod
-from ckpt import HostFacts, WorkerFacts
+from ckpt import ABSENT, HostFacts, WorkerFacts
 
 H100 = {
     "gpu_product": "NVIDIA H100 80GB HBM3",
@@ -50,10 +50,30 @@ def test_the_agents_own_probe_wins(agent_sees) -> None:
     assert got.driver_version == "550.54.15"  # unknown to the agent: the worker's
 
 
-def test_only_accelerator_facts_and_only_valid_ones_are_taken(agent_sees) -> None:
+def test_the_agents_absent_gpu_is_no_match_for_the_workers(agent_sees) -> None:
+    """The agent image (a CPU torch, no device node in its container) proves "no GPU" for itself
+    only: the worker's GPU is pinned, so an H100's checkpoint never matches an A100 pod."""
+    none = {**dict.fromkeys(H100, ABSENT), "gpu_count": 0}
+    agent_sees(**none)
+    got = worker_mod.host_pins(desc(H100))
+    assert {k: getattr(got, k) for k in H100} == H100
+    # a worker with no GPU either: absent on both sides
+    got = worker_mod.host_pins(desc(none))
+    assert {k: getattr(got, k) for k in H100} == none
+
+
+def test_the_workers_torch_is_pinned_not_the_agents(agent_sees) -> None:
+    """The worker's torch writes the KV cache; the agent's is its image's (a new agent image must
+    not turn every older checkpoint cold, nor hide a worker's torch upgrade)."""
+    agent_sees(torch_version="2.13.0+cpu")
+    assert worker_mod.host_pins(desc({"torch_version": "2.14.0+cu130"})).torch_version == "2.14.0+cu130"
+    assert worker_mod.host_pins(desc({})).torch_version == "2.13.0+cpu"  # an older worker: the agent's
+
+
+def test_only_accelerator_facts_and_torch_and_only_valid_ones_are_taken(agent_sees) -> None:
     agent_sees()
     got = worker_mod.host_pins(
-        desc({"gpu_count": "many", "cpu_isa": "avx512", "torch_version": "9.9", **{"gpu_product": 3}})
+        desc({"gpu_count": "many", "cpu_isa": "avx512", "torch_version": 9, **{"gpu_product": 3}})
     )
     assert got.gpu_count is None
     assert got.gpu_product is None

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "deploy" / "images"
@@ -155,11 +156,13 @@ def test_each_worker_builds_a_release_pyproject_supports(engine: str) -> None:
     base, arg, _ = ENGINES[engine]
     path = WORKERS[engine]
     assert one(path, "FROM") == base  # the engine's official image, its release a build argument
-    extras = PYPROJECT["project"].get("optional-dependencies", {})
-    if engine not in extras:
-        pytest.skip(f"pyproject.toml declares no `{engine}` extra (the supported {engine} releases) yet")
+    extras = PYPROJECT["project"]["optional-dependencies"]
     supported = _requirement(extras[engine], engine)
     assert supported is not None, f"the `{engine}` extra does not name {engine}"
+    # the range a worker checks at start (agent.engines.versions) is the one pyproject declares
+    from agent.engines.versions import SUPPORTED
+
+    assert SpecifierSet(SUPPORTED[engine]) == supported.specifier
     default = arg_defaults(path)[arg]
     assert supported.specifier.contains(default, prereleases=True), f"{arg}={default} is outside {supported}"
 

@@ -18,6 +18,9 @@ from agent.engines.retries import ATTACH_HEADER, RESUBMIT_HEADER, TOKEN_HEADER, 
 from agent.engines.vllm.ledger import API_XARG, VOID_PARAM, api_facts, resubmitted_id
 from agent.engines.vllm.middleware import GpuckptMiddleware
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 
 def test_ledger_ids_map_to_the_request_id_and_endpoint_a_retry_carries() -> None:
     assert parse_id("chatcmpl-abc", 1) == ("abc", "chat", 0)

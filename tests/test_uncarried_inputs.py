@@ -26,6 +26,9 @@ from agent.engines.vllm.meta import tail_identified
 from agent.engines.vllm.serve import ServeClient
 from ckpt.errors import FormatError
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 
 def image(offset: int, length: int, ident: str = "img-1") -> MultiModalFeatureSpec:
     return MultiModalFeatureSpec(

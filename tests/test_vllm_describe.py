@@ -15,6 +15,9 @@ from agent.engines.vllm.describe import page_format  # noqa: E402
 from ckpt import Pins, WorkerFacts, decide  # noqa: E402
 from tests.harness.repo import sample_pins  # noqa: E402
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 
 def dense(heads: int) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=128, dtype=torch.bfloat16)

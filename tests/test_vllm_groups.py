@@ -30,6 +30,9 @@ from agent.engines.vllm.groups import (
 )
 from ckpt import compat
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 BS = 16
 
 

@@ -40,6 +40,9 @@ from agent.session import restore_decision  # noqa: E402
 from agent.session.worker import host_pins  # noqa: E402
 from ckpt import Block, Namespace, Pins, Repository, WorkerFacts  # noqa: E402
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 LBNHC = KVCacheLayout.LBNHC.name
 
 
@@ -368,7 +371,10 @@ def test_the_plan_names_each_request_this_worker_would_not_continue_exactly(mode
         layout=dict(w.layout),
         ledger=led,
     )
-    assert restore_decision(m, w).inexact == {}
+    # on this worker's own runner: V1 gives a restored request its earlier outputs back, V2 (vLLM
+    # 0.34's only runner) cannot, so there the penalised request is named
+    here = set(restore_decision(m, w).inexact)
+    assert here == (set() if w.layout["model_runner"] == "v1" else {"penalised"}), here
     spec = WorkerDescription(
         w.facts, {**w.layout, "speculative": "ngram", "async_scheduling": True}, w.namespace_fields
     )

@@ -14,6 +14,9 @@ from agent.engines.vllm import plugin
 from agent.engines.vllm.serve import kv_transfer_config
 from tests.harness.models import write_tiny_llama
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 EXPANDABLE = "expandable_segments:True"
 
 
@@ -71,7 +74,8 @@ def test_a_multimodal_worker_keeps_refusing_client_supplied_embeddings(tmp_path:
     plugin.register()
 
     def config(connector: str) -> SimpleNamespace:
-        mm = SimpleNamespace(enable_mm_embeds=False, allow_missing_mm_embeddings=None)
+        # (0.34 also reads language_model_only: a text-only consumer stays text-only)
+        mm = SimpleNamespace(enable_mm_embeds=False, allow_missing_mm_embeddings=None, language_model_only=False)
         ktc = KVTransferConfig(
             kv_connector=connector,
             kv_role="kv_both",

@@ -28,6 +28,9 @@ pytest.importorskip("vllm")
 
 from tests.harness.workers import BLOCK, LAYERS, VllmHalves
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -152,8 +155,12 @@ def test_a_hold_holds_new_requests_until_they_have_all_arrived(halves: VllmHalve
     halves.channel.hold(2, timeout=30)
     halves.add_request("a", list(range(1, 20)))
     step = halves.channel.stats()["step"]
-    while halves.channel.stats()["step"] < step + 5:  # five step boundaries: a held request waits through them
-        time.sleep(0.01)
+    wait_for(
+        lambda: halves.channel.stats()["step"] >= step + 5 or halves.failed is not None,
+        timeout=60,
+        what="five step boundaries (a held request waits through them)",
+    )
+    assert halves.failed is None, halves.failed
     assert halves.channel.stats()["live"] == 1
     assert halves.block_ids("a") == [], "held: nothing allocated yet"
     halves.add_request("b", list(range(30, 50)))

@@ -27,6 +27,9 @@ from agent.engines.vllm.ledger import (
 )
 from ckpt import Ledger
 
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
 
 def entry(**kw: Any) -> dict[str, Any]:
     e: dict[str, Any] = {

@@ -54,6 +54,7 @@ def vllm_subject(model: Path) -> Iterator[Subject]:
     next(gen, None)
 
 
+@pytest.mark.vllm_classes
 class TestVllmSchedulerHalf(WorkerTests):
     @pytest.fixture
     def subject(self, vllm_subject: Subject) -> Subject:

@@ -21,7 +21,7 @@ from agent.engines.base import Engine
 from agent.engines.channel import WorkerChannel
 from agent.engines.types import Staging, WorkerDescription
 from ckpt import EngineMismatch, HostFacts, WorkerFacts, host_facts
-from ckpt.pins import GPU_FACTS
+from ckpt.pins import ABSENT, GPU_FACTS
 
 __all__ = [
     "host_pins",
@@ -116,23 +116,32 @@ def wait_until(worker: WorkerLike, *, live: int, min_outputs: int = 0, timeout: 
 
 def host_pins(desc: WorkerDescription) -> HostFacts:
     """This host's pinned facts for a checkpoint of the worker ``desc`` describes, or a restore into
-    it: the agent's own probe, with the accelerator facts it cannot see filled from the worker's
-    (``layout["host"]``, probed in the worker's process).
+    it: the agent's own probe, with the accelerator facts it cannot see and the worker's torch
+    taken from the worker (``layout["host"]``, probed in the worker's process).
 
     On Kubernetes the device plugin gives the GPU to the worker's container only; the agent
-    beside it sees none, and without the worker's word every GPU fact would be unknown on both
-    sides — and every warm restore refused. Where the agent sees the accelerator itself (one
-    host, systemd), its own probe wins. Each fact is validated on its own; a malformed one stays
-    unknown."""
+    beside it sees none — its probe says unknown, or, with no device node and a CPU torch (the
+    agent image), *absent* — and without the worker's word every checkpoint would pin "no GPU" (an
+    H100's checkpoint then matches an A100 pod) or every warm restore be refused. So a GPU fact the
+    agent does not know, or finds absent where the worker has one, is the worker's. Where the agent
+    sees the accelerator itself (one host, systemd), its own probe wins. The torch version is always
+    the worker's where it says one: its torch writes the KV cache, and the agent's is only the agent
+    image's. Each fact is validated on its own; a malformed one is not taken."""
     own = host_facts()
     theirs = desc.layout.get("host") if isinstance(desc.layout, Mapping) else None
     if not isinstance(theirs, Mapping):
         return own
+    # the agent finds no GPU where the worker has one: each GPU fact of the agent's is its own
+    # container's, not the worker's (an absent GPU counts 0 devices, and a CPU torch no runtime)
+    blind = own.gpu_product in (None, ABSENT) and theirs.get("gpu_product") not in (None, ABSENT)
     fill: dict[str, Any] = {}
-    for k in GPU_FACTS:
+    for k in (*GPU_FACTS, "torch_version"):
         v = theirs.get(k)
-        if v is None or getattr(own, k) is not None:
+        mine = getattr(own, k)
+        if v is None or v == mine:
             continue
+        if k in GPU_FACTS and mine is not None and not blind:
+            continue  # the agent sees the accelerator itself
         try:
             HostFacts.model_validate({k: v})
         except ValueError:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -92,6 +93,7 @@ class VllmHalves:
         self.dtype = self.worker.dtype()
         self.layers = [n for n, _ in self.worker.kv]
         self.lock = threading.Lock()
+        self.failed: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-halves", daemon=True)
         self._thread.start()
@@ -118,9 +120,12 @@ class VllmHalves:
             self.worker.wait_for_save(meta)
             sent, _ = self.worker.get_finished()
             ids = [r for r, n in so.num_scheduled_tokens.items() if n]
+            # vLLM 0.34 dropped ``req_id_to_index`` (the order of ``req_ids`` is the index)
+            has_index = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+            index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if has_index else {}
             out = ModelRunnerOutput(
                 req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
+                **index,
                 sampled_token_ids=[[7] for _ in ids],
                 kv_connector_output=KVConnectorOutput(
                     finished_sending=sent,
@@ -136,8 +141,12 @@ class VllmHalves:
             return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
 
     def _run(self) -> None:
-        while not self._stop.wait(STEP_S):
-            self.step()
+        try:
+            while not self._stop.wait(STEP_S):
+                self.step()
+        except BaseException as exc:  # a test waiting on steps fails on this, not on its timeout
+            self.failed = exc
+            raise
 
     def close(self) -> None:
         self._stop.set()

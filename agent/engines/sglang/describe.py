@@ -67,8 +67,9 @@ def describe(
         "prefix_hash_seed": HASH_SCHEME.split("/")[1],
     }
     # the accelerator as this process sees it: on Kubernetes only the worker's container has the GPU
-    # (agent.session.worker.host_pins fills the agent's unknowns from it)
-    host = fingerprint.host_facts(use_cuda=False).model_dump(include=set(GPU_FACTS))
+    # (agent.session.worker.host_pins fills the agent's unknowns from it), and the torch that writes
+    # the KV cache (the agent's own is only its image's)
+    host = fingerprint.host_facts(use_cuda=False).model_dump(include={*GPU_FACTS, "torch_version"})
     layout_doc = {
         "host": host,
         "device": device,

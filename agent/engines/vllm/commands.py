@@ -58,7 +58,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from vllm import SamplingParams
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.request import Request
 
@@ -66,6 +66,7 @@ from agent.engines import staging
 from agent.engines.protocol import Hold, KeyRequest, Keys
 from agent.engines.service import InjectedFault, Reply, Waiter, WorkerService
 from agent.engines.streams import DEFAULT_COPY_PER_STEP, DEFAULT_MAX_STAGING, chunk_pages
+from agent.engines.vllm import internals
 from agent.engines.vllm.capture import CopyJob, Pending, Stream
 from agent.engines.vllm.describe import describe
 from agent.engines.vllm.groups import STATE, GroupRule, carried, group_key, not_carried, worker_groups
@@ -140,7 +141,7 @@ class VllmService(WorkerService):
         self.tp = int(pc.tensor_parallel_size)
         self.pp = int(pc.pipeline_parallel_size)
         self.runner_facts = RunnerFacts(
-            model_runner="v2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1",
+            model_runner=internals.model_runner(vllm_config),
             async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
             speculative=speculative_method(vllm_config),
             grammar=grammar_settings(vllm_config),
@@ -400,12 +401,7 @@ class VllmService(WorkerService):
         if p.lookup is None:  # a finished request's stored tail (worker memory): still kept?
             return p.key in self.tail_keys
         assert self.pool is not None
-        v = self.pool.cached_block_hash_to_block._cache.get(p.lookup)
-        if v is None:
-            return False
-        if isinstance(v, dict):
-            return p.block_id in v
-        return int(v.block_id) == p.block_id
+        return internals.still_cached(self.pool, p.lookup, p.block_id)
 
     def next_chunk(self, st: Stream) -> CopyJob:
         """The step's share of a stream's full blocks, for the workers to copy after the forward."""
@@ -457,8 +453,7 @@ class VllmService(WorkerService):
         at_risk: list[Pending] = []
         in_use: list[Pending] = []
         carried_ids = {g.index for g in self.carried}
-        for k, v in list(self.pool.cached_block_hash_to_block._cache.items()) if carried_ids else ():
-            blk = v if isinstance(v, KVCacheBlock) else next(iter(v.values()))
+        for k, blk in internals.cached_blocks(self.pool) if carried_ids else ():
             # block_hash_num_tokens is the prefix length the hash covers; an
             # entry ending inside a block is a partial entry, not a full block.
             n = blk.block_hash_num_tokens

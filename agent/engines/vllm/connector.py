@@ -74,7 +74,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from agent.engines.service import guard
+from agent.engines import versions
+from agent.engines.service import Reply, WorkerService, guard
+from agent.engines.vllm.commands import staging_of
 from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta
 from agent.engines.vllm.scheduler import SchedulerHalf
 from agent.engines.vllm.worker import WorkerHalf
@@ -100,6 +102,17 @@ _DISABLED = "register_kv_caches failed (see the worker's log)"
 
 class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring: the hook map by side."""
+
+    def __new__(cls, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> Any:
+        # vLLM outside the supported range: the inert connector instead (its __init__ runs here;
+        # Python skips ours for an object of another class)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        why = versions.refusal("vllm", _vllm_version(), allowed=versions.allowed_by(extra))
+        if why is not None:
+            return DisabledConnector(vllm_config, role, kv_cache_config, why)
+        if versions.allowed_by(extra) and not versions.support("vllm", _vllm_version()).ok:
+            log.warning("gpuckpt: vllm %s is not a version this gpuckpt was tested on; run as asked", _vllm_version())
+        return super().__new__(cls)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -248,3 +261,77 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
     @guard(lambda self: None)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._w.build_connector_worker_meta()
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+class DisabledService(WorkerService):
+    """The control socket of a worker whose gpuckpt is disabled: it answers ``ping`` (the worker is
+    up) and refuses every other call naming why, so the agent's describe, checkpoint and restore
+    each say it."""
+
+    def __init__(self, why: str, extra: dict[str, Any]) -> None:
+        staging_dir, trust = staging_of(extra)
+        super().__init__(staging_dir=staging_dir, trust=trust)
+        self.why = why
+
+    def handle(self, raw: dict[str, Any]) -> Reply:
+        if raw.get("cmd") == "ping":
+            return super().handle(raw)
+        return {"ok": False, "error": self.why, "refused": versions.REFUSED}
+
+
+class DisabledConnector(KVConnectorBase_V1, SupportsHMA):
+    """What a worker of a vLLM outside :data:`agent.engines.versions.SUPPORTED` loads in place of
+    :class:`GpuckptConnector`: every hook is vLLM's "no connector" answer (no external hit, nothing
+    to load, save or free late), nothing of vLLM's internals is read, and the scheduler side's
+    control socket refuses every call but ``ping`` naming the version and the range. The worker
+    serves as if gpuckpt were not configured; its log says why once per process."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, why: str
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.why = why
+        self.service: DisabledService | None = None
+        log.error("gpuckpt: %s", why)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        if role == KVConnectorRole.SCHEDULER and extra.get("control_socket"):
+            self.service = DisabledService(why, extra)
+            self.service.serve(extra["control_socket"])
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def shutdown(self) -> None:
+        if self.service is not None:
+            self.service.close_server()

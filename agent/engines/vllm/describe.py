@@ -18,6 +18,7 @@ import vllm
 from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
+from agent.engines.vllm import internals
 from agent.engines.vllm.groups import LEGACY_SIGNATURE, not_carried, page_heads, signature, worker_groups
 from agent.engines.vllm.ledger import grammar_settings, speculative_method
 from ckpt import ABSENT, fingerprint
@@ -123,7 +124,7 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         model_digest = fingerprint.model_digest(mc.model)
         tok = mc.tokenizer if mc.tokenizer and os.path.isdir(mc.tokenizer) else mc.model
         tokenizer_digest = fingerprint.tokenizer_digest(tok)
-    model_runner = "v2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1"
+    model_runner = internals.model_runner(vllm_config)
     scales = kv_scales_digest(reports, tp, kv_dtype)
     facts = {
         "engine": "vllm",
@@ -148,8 +149,9 @@ def describe(vllm_config: Any, kv_cache_config: Any, reports: list[dict[str, Any
         "kv_groups": sig,
     }
     # the accelerator as this process sees it: on Kubernetes only the worker's container has the GPU
-    # (agent.session.worker.host_pins fills the agent's unknowns from it)
-    host = fingerprint.host_facts(use_cuda=False).model_dump(include=set(GPU_FACTS))
+    # (agent.session.worker.host_pins fills the agent's unknowns from it), and the torch that writes
+    # the KV cache (the agent's own is only its image's)
+    host = fingerprint.host_facts(use_cuda=False).model_dump(include={*GPU_FACTS, "torch_version"})
     layout_doc = {
         "host": host,
         "device": device,

@@ -33,8 +33,10 @@ def register() -> None:
     # late: vLLM calls register() while it loads its plugins, before its connector factory is wanted
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from agent.engines.vllm.internals import connector_registered
+
     # register_connector raises on a second registration of the same name.
-    if NAME not in KVConnectorFactory._registry:
+    if not connector_registered(NAME):
         KVConnectorFactory.register_connector(NAME, "agent.engines.vllm.connector", NAME)
     _keep_expandable_segments()
     _keep_mm_embedding_inputs()

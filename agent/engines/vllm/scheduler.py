@@ -55,12 +55,12 @@ Limits: PP = 1.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from agent.engines import staging
 from agent.engines.types import token_digest
+from agent.engines.vllm import internals
 from agent.engines.vllm.capture import parse_job
 from agent.engines.vllm.commands import VllmService
 from agent.engines.vllm.groups import STATE, GroupRule, group_key, plan_hit
@@ -120,13 +120,7 @@ class SchedulerHalf(VllmService):
         """Called from ``Scheduler.__init__`` inside ``EngineCoreProc.__init__``; the engine's input
         queue may not exist yet, so keep the engine object (found in the calling frames)."""
         self.kv_manager = manager
-        f = sys._getframe(1)
-        while f is not None:
-            obj = f.f_locals.get("self")
-            if obj is not None and hasattr(type(obj), "_handle_client_request"):
-                self.engine = obj
-                break
-            f = f.f_back  # type: ignore[assignment]
+        self.engine = internals.engine_of_caller() or self.engine
 
     # ------------------------------------------------------------------ hooks
 

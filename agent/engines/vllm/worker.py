@@ -38,7 +38,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -50,6 +49,7 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from agent.engines import staging
 from agent.engines.service import InjectedFault
 from agent.engines.shards import Heads, full_shape, local_heads, rank_slot
+from agent.engines.vllm import internals
 from agent.engines.vllm.capture import CopyJob
 from agent.engines.vllm.commands import staging_of
 from agent.engines.vllm.copier import Gathered, PageCopier
@@ -166,12 +166,7 @@ class WorkerHalf:
             self.heads = local_heads(self.rank, self.tp, total, held)
         # The model runner (for seeded requests' generators and the sampler's
         # view of outputs) called us from initialize_kv_cache.
-        f = sys._getframe(1)
-        while f is not None and self.runner is None:
-            obj = f.f_locals.get("self")
-            if obj is not None and isinstance(getattr(obj, "requests", None), dict) and hasattr(obj, "input_batch"):
-                self.runner = obj
-            f = f.f_back  # type: ignore[assignment]
+        self.runner = self.runner or internals.runner_of_caller()
         self.report = self._describe_rank()
         # the staging directory exists (private, or the shared group's) from the start, not from the
         # first capture: an agent of another account checks it before it trusts a page file there

@@ -1,0 +1,214 @@
+"""The vLLM versions gpuckpt supports, against vLLM's own classes (run once per supported release:
+``make test`` runs this file in each version's venv too).
+
+- A worker of a vLLM outside the declared range starts with gpuckpt disabled: vLLM's real
+  scheduler loads the inert connector, serves its requests to the end, and every control call but
+  ``ping`` is refused naming the version and the range; the operator's opt-in runs gpuckpt as asked.
+- What moved between releases is met in :mod:`agent.engines.vllm.internals`, by probing: the prefix
+  cache enumerated through vLLM's own block pool finds every cached block, and a worker's model
+  runner is read from its config (0.34 has only V2).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.engines import versions
+from tests.harness.paths import short_dir
+
+pytest.importorskip("vllm")
+
+from tests.harness.workers import BLOCK, NUM_BLOCKS, VllmHalves
+
+# vLLM's Python classes only: run against every supported vLLM release (make test)
+pytestmark = pytest.mark.vllm_classes
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.harness.models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_the_declared_range_takes_releases_local_builds_and_main_and_nothing_outside() -> None:
+    for v in ("0.32.0", "0.32.0+cpu", "0.33.0", "0.34.0", "0.34.1.dev12+gabc1234"):
+        assert versions.support("vllm", v).ok, v
+    for v in ("0.31.2", "0.35.0", "0.35.0.dev3", "1.0.0", "not-a-version"):
+        assert not versions.support("vllm", v).ok, v
+    assert versions.support("sglang", "0.5.23").ok
+    assert not versions.support("sglang", "0.5.24").ok
+    why = versions.refusal("vllm", "0.35.0", allowed=False)
+    assert why is not None
+    assert "vllm 0.35.0" in why
+    assert ">=0.32" in why
+    assert "<0.35" in why
+    assert versions.ALLOW_ENV in why  # the way out is named where the user meets the refusal
+    assert versions.refusal("vllm", "0.35.0", allowed=True) is None
+
+
+def test_the_installed_vllm_is_in_the_range() -> None:
+    """The version this test runs against (each of ``make test``'s version venvs) is one the range
+    declares: the range and the releases tested never drift apart."""
+    s = versions.support("vllm")
+    assert s.ok, s
+
+
+def test_the_opt_in_comes_from_the_environment_or_the_connector_settings() -> None:
+    assert versions.allowed_by({}, {versions.ALLOW_ENV: "1"})
+    assert versions.allowed_by({"allow_unsupported_engine": True}, {})
+    assert not versions.allowed_by({}, {versions.ALLOW_ENV: "0"})
+
+
+def _scheduler(model: Path, d: Path) -> Any:
+    """vLLM's own scheduler, built as the engine builds it, with gpuckpt configured."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    mc = ModelConfig(
+        model=str(model), tokenizer=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512
+    )
+    kv = KVTransferConfig(
+        kv_connector="GpuckptConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="agent.engines.vllm.connector",
+        kv_connector_extra_config={"control_socket": str(d / "c.sock"), "staging_dir": str(d / "stage")},
+        kv_load_failure_policy="recompute",
+    )
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, is_encoder_decoder=False)
+    config = VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=kv,
+        scheduler_config=sc,
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kvc,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+
+
+def test_a_worker_of_an_unsupported_vllm_serves_with_gpuckpt_disabled_and_says_why(
+    model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import dataclasses
+
+    import vllm
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from agent.engines.channel import WorkerChannel
+    from agent.engines.vllm.connector import DisabledConnector
+    from ckpt.errors import EngineError
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    d = short_dir("ver-")
+    with caplog.at_level(logging.ERROR, logger="gpuckpt.vllm"):
+        sched = _scheduler(model, d)
+    try:
+        assert isinstance(sched.connector, DisabledConnector)
+        assert any("vllm 0.35.0 is outside" in r.getMessage() for r in caplog.records), caplog.text
+        init_none_hash(sha256)
+        # the worker serves: a request runs to its end through vLLM's scheduler with the connector
+        hasher = get_request_block_hasher(BLOCK, sha256)
+        sched.add_request(Request("r", list(range(1, 40)), SamplingParams(max_tokens=5), None, block_hasher=hasher))
+        has_index = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        for _ in range(10):
+            so = sched.schedule()
+            ids = [r for r, n in so.num_scheduled_tokens.items() if n]
+            index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if has_index else {}
+            sched.update_from_output(so, ModelRunnerOutput(req_ids=ids, **index, sampled_token_ids=[[7] for _ in ids]))
+        assert not sched.requests, "the request finished"
+        # the agent's calls: the worker is up, and everything else is refused naming the range
+        ch = WorkerChannel(d / "c.sock")
+        assert ch.ping().pid > 0
+        with pytest.raises(EngineError, match=r"vllm 0\.35\.0 is outside the versions this gpuckpt supports"):
+            ch.describe()
+        with pytest.raises(EngineError, match=r"<0\.35"):
+            ch.capture(timeout=5)
+    finally:
+        sched.shutdown()
+
+
+def test_the_operator_may_run_gpuckpt_on_an_untested_vllm(
+    model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import vllm
+
+    from agent.engines.vllm.connector import GpuckptConnector
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    monkeypatch.setenv(versions.ALLOW_ENV, "1")
+    d = short_dir("ver-")
+    with caplog.at_level(logging.WARNING, logger="gpuckpt.vllm"):
+        sched = _scheduler(model, d)
+    try:
+        assert type(sched.connector) is GpuckptConnector
+        assert any("not a version this gpuckpt was tested on" in r.getMessage() for r in caplog.records)
+    finally:
+        sched.shutdown()
+
+
+def test_the_prefix_cache_is_enumerated_through_vllms_own_block_pool(model: Path) -> None:
+    """Every full block vLLM cached is found by the shim's walk, named by the pool's own map (0.34
+    keeps block ids there, 0.32 blocks); a block evicted and reused is no longer reported cached."""
+    from agent.engines.vllm import internals
+
+    d = short_dir("ver-")
+    h = VllmHalves(model, d / "c.sock", d / "stage")
+    try:
+        r = h.add_request("a", list(range(1, 1 + 4 * BLOCK + 3)), max_tokens=2)
+        h.channel.wait(when={"live": 0}, timeout=60)
+        with h.lock:
+            pool = h.scheduler.kv_cache_manager.block_pool
+            found = dict(internals.cached_blocks(pool))
+            want = {bytes(x) for x in r.block_hashes[:4]}
+            assert {bytes(internals_key_hash(k)) for k in found} >= want
+            for k, blk in found.items():
+                assert internals.still_cached(pool, k, int(blk.block_id))
+                assert not internals.still_cached(pool, k, int(blk.block_id) + 1)
+    finally:
+        h.close()
+
+
+def internals_key_hash(key: Any) -> bytes:
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    return bytes(get_block_hash(key))
+
+
+def test_the_model_runner_is_read_from_the_worker_s_config(model: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from agent.engines.vllm import internals
+
+    cfg = EngineArgs(model=str(model), enforce_eager=True, skip_tokenizer_init=True).create_engine_config()
+    runner = internals.model_runner(cfg)
+    if hasattr(cfg, "use_v2_model_runner"):
+        assert runner == ("v2" if cfg.use_v2_model_runner else "v1")
+    else:  # 0.34: Model Runner V1 is gone, and the field with it
+        assert runner == "v2"
+    # what the worker's description records, the ledger's exactness judged by it
+    d = short_dir("ver-")
+    h = VllmHalves(model, d / "c.sock", d / "stage")
+    try:
+        assert h.channel.describe().layout["model_runner"] == internals.model_runner(h.config)
+    finally:
+        h.close()
