@@ -83,6 +83,11 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="also an FP8-KV worker (warm, refused by KV dtype)")
     ap.add_argument("--fp8-model", help="with --fp8: a checkpoint whose weights carry k/v scales")
     ap.add_argument("--speculative", action="store_true", help="also a worker with ngram speculative decoding")
+    ap.add_argument(
+        "--v034",
+        action="store_true",
+        help="also vLLM 0.33/0.34's machinery: the extensible KV cache on and off, sleep mode, the access hook",
+    )
     args = ap.parse_args()
     facts = host_facts()
     print("host facts:", json.dumps(facts.model_dump(mode="json"), indent=2))
@@ -137,6 +142,8 @@ def main() -> int:
         ok = fp8_checks(args.fp8_model) and ok
     if args.speculative:
         ok = speculative_checks() and ok
+    if args.v034:
+        ok = v034_checks() and ok
     return 0 if ok else 1
 
 
@@ -582,3 +589,86 @@ def fp8_checks(scaled_model: str | None) -> bool:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# --- vLLM 0.33/0.34's machinery (docs/design/vllm-versions.md) ----------------------------------
+
+
+def v034_checks() -> bool:
+    """On vLLM 0.34 with CUDA: (1) a checkpoint of a worker with the extensible KV cache (0.34's
+    CUDA default) restores warm and token-identical into one without it and back — gpuckpt pages
+    through the committed views alone; (2) with sleep mode, a capture while the worker sleeps fails
+    naming the sleep, and one after it wakes succeeds; (3) vLLM resolves gpuckpt's KV cache access
+    to IN_PROCESS, so the extensible KV cache stays on. Host-resident KV (HiSparse) needs a sparse
+    MLA model and is not checked here (the unit test names it not carried)."""
+    import importlib
+
+    import vllm
+
+    print(f"vLLM {vllm.__version__}")
+    harness = importlib.import_module("tests.harness.vllm")
+    models = importlib.import_module("tests.harness.models")
+    ok = True
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        run = _worker(harness, tmp)
+        model = models.write_tiny_llama(tmp / "model", dtype="bfloat16")
+        base: dict[str, Any] = {
+            "model": str(model),
+            "repo": str(tmp / "repo"),
+            "dtype": "bfloat16",
+            "block_size": 16,
+            "gpu_memory_utilization": 0.2,
+            "max_tokens": 160,
+        }
+        for src, dst in ((True, False), (False, True)):
+            name = f"ext{int(src)}{int(dst)}"
+            a = run(
+                {**base, "mode": "checkpoint", "socket": str(tmp / f"{name}a.sock"), "staging": str(tmp / f"{name}a")},
+                {"enable_extensible_kv_cache": src},
+                kill_after_result=True,
+            )
+            b = _restore_check(run, base, a, {"enable_extensible_kv_cache": dst}, name, tmp)
+            same = all(b["restored"][r]["full"] == ref for r, ref in a["reference"].items())
+            print(f"  extensible KV cache {src} -> {dst}: warm={b['warm']} {b['reasons']} token-identical={same}")
+            ok = ok and b["warm"] and same
+        ok = _sleep_check(model, tmp) and ok
+    return ok
+
+
+def _sleep_check(model: Path, tmp: Path) -> bool:
+    """Sleep mode on a live worker: a capture while asleep is refused naming the sleep; after
+    wake_up a capture succeeds (vLLM calls the connector's unregister/restore hooks around it)."""
+    from vllm import LLM, SamplingParams
+
+    from agent.engines.channel import WorkerChannel
+    from agent.engines.vllm.serve import kv_transfer_config
+    from ckpt.errors import EngineError
+
+    sock = tmp / "sleep.sock"
+    ktc = kv_transfer_config(str(sock), str(tmp / "sleep-stage"))
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        gpu_memory_utilization=0.2,
+        enable_sleep_mode=True,
+        enable_prefix_caching=True,
+        kv_transfer_config=ktc,
+    )
+    access = llm.llm_engine.vllm_config.kv_transfer_config.kv_cache_access()
+    extensible = llm.llm_engine.vllm_config.cache_config.enable_extensible_kv_cache
+    print(f"  kv_cache_access={access!r} extensible_kv_cache={extensible}")
+    llm.generate(["the quick brown fox"], SamplingParams(max_tokens=16))
+    ch = WorkerChannel(sock)
+    llm.sleep(level=1)
+    try:
+        ch.capture(timeout=30)
+        asleep_refused = False
+    except EngineError as exc:
+        asleep_refused = "asleep" in str(exc)
+    llm.wake_up()
+    llm.generate(["the quick brown fox"], SamplingParams(max_tokens=16))
+    cap = ch.capture(timeout=60)
+    ch.cancel(cap.seq)
+    print(f"  sleep mode: capture while asleep refused={asleep_refused}, capture after wake_up ok")
+    return asleep_refused and bool(cap.get("index"))

@@ -31,6 +31,7 @@ from ckpt.store.base import Buffer, Store
 from ckpt.testing import FaultyStore
 from tests.fake_connector import FakeConnector
 from tests.harness.agent import make_cfg
+from tests.harness.paths import ROOT
 
 
 @pytest.fixture
@@ -617,6 +618,11 @@ def test_launch_runs_vllm_serve_as_the_api_server_module_of_its_own_python(
     ]
     # Anything else is run as given.
     assert vllm_serve_argv(["python", "-m", "x"]) == ["python", "-m", "x"]
+    # a vLLM whose own CLI starts (the CUDA wheels: make test's version venvs): `vllm serve`, the
+    # form vLLM 0.34 does not deprecate, is run as given
+    for cli in sorted(ROOT.glob(".venv-vllm-*/bin/vllm")):
+        assert vllm_serve_argv([str(cli), "serve", "m", "--port", "9"]) == [str(cli), "serve", "m", "--port", "9"]
+        assert engines.for_command([str(cli), "serve", "m"]).name == "vllm"
     # and the command says which engine launch configures
     assert engines.for_command(["vllm", "serve", "meta/llama"]).name == "vllm"
     assert engines.for_command(["python", "-m", "sglang.launch_server", "--model-path", "m"]).name == "sglang"

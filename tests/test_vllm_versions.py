@@ -212,3 +212,126 @@ def test_the_model_runner_is_read_from_the_worker_s_config(model: Path) -> None:
         assert h.channel.describe().layout["model_runner"] == internals.model_runner(h.config)
     finally:
         h.close()
+
+
+# --- what vLLM 0.33 and 0.34 added: sleep mode, host-resident KV, the access and hash hooks ---
+
+
+def test_nothing_is_copied_while_the_worker_sleeps_and_captures_work_again_when_it_wakes(model: Path) -> None:
+    """vLLM 0.33+ calls ``unregister_kv_caches`` before sleep mode releases the KV cache's memory
+    and ``restore_kv_caches`` after it maps it back: in between, a capture fails naming the sleep
+    (a copy would read unmapped GPU memory); after it, a capture copies the request's blocks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from agent.engines.vllm.connector import GpuckptConnector
+    from ckpt.errors import EngineError
+
+    if hasattr(KVConnectorBase_V1, "unregister_kv_caches"):  # 0.33+: the hooks vLLM calls are ours
+        for hook in ("unregister_kv_caches", "restore_kv_caches"):
+            assert getattr(GpuckptConnector, hook) is not getattr(KVConnectorBase_V1, hook), hook
+        assert GpuckptConnector.supports_sleep_mode(None) is True  # carried, not refused
+    d = short_dir("ver-")
+    h = VllmHalves(model, d / "c.sock", d / "stage")
+    try:
+        h.add_request("a", list(range(1, 1 + 2 * BLOCK + 3)), max_tokens=500)
+        h.channel.wait(when={"live": 1, "min_outputs": 1}, timeout=60)
+        h.worker.unregister_kv_caches()
+        with pytest.raises(EngineError, match="asleep"):
+            h.channel.capture(timeout=30)
+        h.worker.restore_kv_caches()
+        cap = h.channel.capture(timeout=30)
+        try:
+            assert cap.get("index"), cap
+        finally:
+            h.channel.cancel(cap.seq)
+    finally:
+        h.close()
+
+
+def test_host_resident_kv_and_groups_vllm_keeps_from_transfer_are_named_not_carried() -> None:
+    """HiSparse's source group (vLLM 0.33+: ``host_resident``) lives in pinned host memory under
+    block ids of its own pool, and its device groups are replicas vLLM keeps out of transfer: a
+    worker with them is described with its KV not carried, naming why — never paged from the
+    scheduler's block ids, which index another pool."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from agent.engines.vllm.groups import carried, kv_groups, not_carried
+
+    fields = {f.name for f in dataclasses.fields(KVCacheGroupSpec)}
+    if "host_resident" not in fields:
+        pytest.skip("this vLLM has no host-resident KV cache groups (0.33 added them)")
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    host = KVCacheGroupSpec(["l0"], spec, host_resident=True)
+    cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[host])
+    groups = kv_groups(cfg, BLOCK)
+    assert carried(groups) == []
+    assert "host-resident" in (not_carried(groups) or "")
+    if "enable_kv_transfer" in fields:
+        replica = KVCacheGroupSpec(["l1"], spec, enable_kv_transfer=False)
+        cfg = KVCacheConfig(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec), replica]
+        )
+        assert "out of KV transfer" in (not_carried(kv_groups(cfg, BLOCK)) or "")
+    # an ordinary worker's groups are carried, as before
+    plain = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    assert not_carried(kv_groups(plain, BLOCK)) is None
+
+
+def test_the_connector_declares_in_process_access_and_keeps_vllms_block_hashes(tmp_path: Path) -> None:
+    """vLLM 0.34 asks a connector how it reaches the KV cache (``kv_cache_access``: gpuckpt copies
+    with torch ops in the worker's process, so the extensible KV cache stays on) and whether it
+    takes lookahead block hashes (no: a checkpoint's pages keep the keys every supported version
+    computes)."""
+    from vllm.config import KVTransferConfig
+
+    from agent.engines.vllm.connector import GpuckptConnector
+    from agent.engines.vllm.serve import kv_transfer_config
+
+    assert GpuckptConnector.supports_lookahead_block_hashes(None) is False
+    ktc = KVTransferConfig(**kv_transfer_config(str(tmp_path / "c.sock"), str(tmp_path / "stage")))
+    if not hasattr(ktc, "kv_cache_access"):
+        pytest.skip("this vLLM does not ask a connector how it reaches the KV cache (0.34 does)")
+    from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined,unused-ignore]
+
+    assert ktc.kv_cache_access() == KVCacheAccess.IN_PROCESS  # vLLM's own resolution, through its factory
+
+
+def test_the_worker_pages_only_the_blocks_its_kv_cache_config_counts(model: Path) -> None:
+    """vLLM 0.34's extensible KV cache hands ``register_kv_caches`` views of the committed blocks
+    only, with a KV cache config counting exactly those (``extend_kv_cache``); every block id the
+    scheduler names is below that count, and the views keep their addresses. The worker half pages
+    through those views alone: a layer's page is its committed block's bytes, and a tensor that
+    spans more than the config counts (the reservation) is refused by name, never indexed."""
+    import dataclasses
+
+    import torch
+
+    from agent.engines.vllm.worker import WorkerHalf
+
+    d = short_dir("ver-")
+    h = VllmHalves(model, d / "c.sock", d / "stage")
+    try:
+        committed = NUM_BLOCKS // 2
+        cfg = dataclasses.replace(h.kv_cache_config, num_blocks=committed)
+        extra = {"control_socket": str(d / "w2.sock"), "staging_dir": str(d / "stage2")}
+        reserved = {
+            name: torch.arange(NUM_BLOCKS, dtype=torch.float32)[:, None, None, None]
+            .expand(NUM_BLOCKS, *t.shape[1:])
+            .contiguous()
+            for name, t in h.caches.items()
+        }
+        w = WorkerHalf(h.config, cfg, extra)
+        w.register_kv_caches({name: t[:committed] for name, t in reserved.items()})
+        assert w.copier is not None
+        page = torch.frombuffer(bytearray(w.copier.page(committed - 1)), dtype=torch.float32)
+        assert set(page.tolist()) == {float(committed - 1)}  # the last committed block's own bytes
+        w.shutdown()
+        w = WorkerHalf(h.config, cfg, extra)
+        with pytest.raises(NotImplementedError, match=f"{committed} blocks"):
+            w.register_kv_caches(reserved)
+        w.shutdown()
+    finally:
+        h.close()

@@ -76,6 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from agent.engines import versions
 from agent.engines.service import Reply, WorkerService, guard
+from agent.engines.vllm import internals
 from agent.engines.vllm.commands import staging_of
 from agent.engines.vllm.meta import IDLE, GpuckptMeta, GpuckptWorkerMeta
 from agent.engines.vllm.scheduler import SchedulerHalf
@@ -224,6 +225,30 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
     @guard(lambda self, kv_caches: self._w.disable(_DISABLED))
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._w.register_kv_caches(kv_caches)
+
+    # vLLM 0.33+ sleep mode: carried — nothing is copied or loaded while the KV cache's memory is
+    # released (vLLM resets the prefix cache before a sleep; the tensors come back at the same
+    # addresses, empty). supports_sleep_mode keeps vLLM's True. 0.32 calls neither hook.
+
+    def unregister_kv_caches(self) -> None:
+        self._w.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self._w.restore_kv_caches()
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34: False — the block hashes stay the ones without lookahead tokens, the keys a
+        checkpoint's pages are stored under on every supported version (EAGLE's block drop then
+        drops the trailing block instead)."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: ``IN_PROCESS`` — gpuckpt reads and writes the registered tensors with torch
+        ops in the worker's own process; it registers no memory with a NIC and exports no handle,
+        so the extensible KV cache stays on (docs/design/vllm-versions.md)."""
+        return internals.in_process_access()
 
     @guard(lambda self, forward_context, **kwargs: self._w.fail_loads(self._connector_metadata))
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

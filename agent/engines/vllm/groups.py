@@ -61,6 +61,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agent.engines.vllm import internals
+
 #: what an engine that does not report its groups has: one full-attention group
 LEGACY_SIGNATURE = "full"
 #: the kind of a state-space / linear-attention group (vLLM's ``MambaSpec``) gpuckpt carries
@@ -168,9 +170,14 @@ def kv_groups(kv_cache_config: Any, block_size: int, *, tp: int = 1, kv_heads: i
     all), each with why it is not carried (if so). When one group cannot be carried none is:
     :func:`carried` is then empty."""
     out = []
+    transferable = internals.transfer_groups(kv_cache_config)
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         kind, window, why = _kind(spec, tp, kv_heads)
+        if internals.host_resident(g):
+            why = "host-resident KV (HiSparse's source pool, block ids of its own) is not carried"
+        elif transferable is not None and i not in transferable:
+            why = "vLLM keeps this group out of KV transfer (a replica of another group's KV)"
         layout: tuple[Any, ...] = ()
         if hasattr(spec, "head_size"):
             layout = (

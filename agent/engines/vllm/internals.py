@@ -97,6 +97,28 @@ def runner_of_caller(depth: int = 1) -> Any:
     )
 
 
+def in_process_access() -> Any:
+    """vLLM 0.34's ``KVCacheAccess.IN_PROCESS`` (the hook that asks for it exists only there)."""
+    from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined,unused-ignore]
+
+    return KVCacheAccess.IN_PROCESS
+
+
+def host_resident(group: Any) -> bool:
+    """Whether a KV cache group lives in host memory (vLLM 0.34's HiSparse source pool: its block
+    ids index a pool of its own, not the scheduler's block pool a capture plans from)."""
+    return bool(getattr(group, "host_resident", False))
+
+
+def transfer_groups(kv_cache_config: Any) -> set[int] | None:
+    """The KV cache groups vLLM lets a connector transfer (0.34: ``transfer_group_ids`` leaves out
+    HiSparse's device replicas), or ``None`` where the config does not say (every group)."""
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    if ids is None:
+        return None
+    return {int(i) for i in ids}
+
+
 def connector_registered(name: str) -> bool:
     """Whether vLLM's connector factory already has ``name`` (it raises on a second registration)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

@@ -85,6 +85,7 @@ class WorkerHalf:
         self.heads: Heads | None = None
         self.head_axis = 0
         self.disabled: str | None = None
+        self.asleep = False  # vLLM's sleep mode released the KV cache's memory (see unregister_kv_caches)
         self.priors: dict[str, list[int]] = {}
         self.tail_pages: OrderedDict[bytes, bytes] = OrderedDict()
         self.sent: set[str] = set()
@@ -108,6 +109,28 @@ class WorkerHalf:
             self.rank = int(get_tensor_model_parallel_rank())
         self.report = {"rank": self.rank, "disabled": why}
 
+    def unusable(self) -> str | None:
+        """Why this rank can copy no page now (``None``: it can)."""
+        if self.disabled:
+            return self.disabled
+        if self.asleep:
+            return "the worker is asleep (vLLM's sleep mode released its KV cache)"
+        return None
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+: sleep mode (or a discard) is about to release the KV cache's memory. Nothing
+        is copied or loaded from now on — a capture asked for meanwhile fails naming the sleep —
+        until :meth:`restore_kv_caches`; the tensors stay registered (vLLM maps fresh memory at
+        the same addresses on wake, and passes none anew)."""
+        self.asleep = True
+        log.info("gpuckpt: rank %d: the KV cache is released (sleep mode); nothing is copied until it wakes", self.rank)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+: the KV cache's memory is back (empty: the prefix cache was reset before the
+        sleep, so no page kept from before names it)."""
+        self.asleep = False
+        log.info("gpuckpt: rank %d: the KV cache is back", self.rank)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
         # Block-first views of every layer: the CPU backend and vLLM 0.33's
@@ -120,10 +143,15 @@ class WorkerHalf:
         # pages are read through attention layers' views: a state-space layer shares its physical
         # slot with one (vLLM pads both pages to one size), so its state block is in the same
         # bytes (see .groups, which refuses a state group with a slot no attention layer is in)
+        # (not a host-resident group's layers, nor a replica vLLM keeps out of transfer: their
+        # block ids are not the scheduler's pool's, and .groups names them not carried)
+        transferable = internals.transfer_groups(self.kv_cache_config)
         attention = {
             name
-            for g in self.kv_cache_config.kv_cache_groups
+            for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
             if hasattr(g.kv_cache_spec, "head_size")
+            and not internals.host_resident(g)
+            and (transferable is None or i in transferable)
             for name in g.layer_names
         }
         for name, t in sorted(kv_caches.items()):
@@ -228,7 +256,7 @@ class WorkerHalf:
         would change — a state group's running states (see :class:`.CopyJob`)."""
         if type(meta) is not GpuckptMeta or meta.capture is None or not meta.capture.before:
             return
-        if self.disabled:
+        if self.unusable():
             return  # wait_for_save reports the chunk failed
         assert self.copier is not None
         self.before = {key_hex: self.copier.page(block_id) for key_hex, block_id in meta.capture.before}
@@ -280,8 +308,8 @@ class WorkerHalf:
             self.priors[rid] = prior
         if self.priors:
             self.refresh_priors()
-        if self.disabled and (meta.loads or meta.request_loads):
-            raise EngineError(self.disabled)  # the guard fails them all (fail_loads)
+        if (why := self.unusable()) and (meta.loads or meta.request_loads):
+            raise EngineError(why)  # the guard fails them all (fail_loads)
         if meta.loads:
             self.load_errors.update(self.load(meta.loads))
         self.fail_requests(meta.failed_requests)
@@ -362,6 +390,9 @@ class WorkerHalf:
         if meta is None or not isinstance(meta, GpuckptMeta) or meta.idle:
             return
         for key_hex, block_id, rid in meta.tails:  # before the capture, which includes them
+            if self.asleep:  # no memory under the block: the tail is not kept
+                self.sent.add(rid)
+                continue
             try:
                 assert self.copier is not None
                 self.tail_pages[bytes.fromhex(key_hex)] = self.copier.page(block_id)
@@ -376,6 +407,9 @@ class WorkerHalf:
         if self.disabled:
             why = f"the connector is disabled on rank {self.rank}: {self.disabled}"
             self.finish_capture(cap, {"error": why})
+            return
+        if self.asleep:
+            self.finish_capture(cap, {"error": f"rank {self.rank}: {self.unusable()}"})
             return
         t0 = time.monotonic()
         try:
