@@ -199,6 +199,18 @@ def copier_check(layers: int = 32, blocks: int = 4096, chunk: int = 64) -> bool:
     return ok
 
 
+def _base(model: Path, tmp: Path) -> dict[str, Any]:
+    """The test worker's arguments every check starts from (a tiny bf16 model, a local repo)."""
+    return {
+        "model": str(model),
+        "repo": str(tmp / "repo"),
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "gpu_memory_utilization": 0.2,
+        "max_tokens": 160,
+    }
+
+
 def vllm_checks() -> bool:
     """Warm restore of a live worker on this GPU (TP=1; TP=2 and TP=2 → TP=1 with two GPUs)."""
     import importlib
@@ -215,14 +227,7 @@ def vllm_checks() -> bool:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = models.write_tiny_llama(tmp / "model", dtype="bfloat16")
-        base: dict[str, Any] = {
-            "model": str(model),
-            "repo": str(tmp / "repo"),
-            "dtype": "bfloat16",
-            "block_size": 16,
-            "gpu_memory_utilization": 0.2,
-            "max_tokens": 160,
-        }
+        base = _base(model, tmp)
         tps = [1, 2] if torch.cuda.device_count() >= 2 else [1]
         for tp in tps:
             a = run_worker(
@@ -613,14 +618,7 @@ def v034_checks() -> bool:
         tmp = Path(d)
         run = _worker(harness, tmp)
         model = models.write_tiny_llama(tmp / "model", dtype="bfloat16")
-        base: dict[str, Any] = {
-            "model": str(model),
-            "repo": str(tmp / "repo"),
-            "dtype": "bfloat16",
-            "block_size": 16,
-            "gpu_memory_utilization": 0.2,
-            "max_tokens": 160,
-        }
+        base = _base(model, tmp)
         for src, dst in ((True, False), (False, True)):
             name = f"ext{int(src)}{int(dst)}"
             a = run(

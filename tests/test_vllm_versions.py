@@ -22,7 +22,7 @@ from tests.harness.paths import short_dir
 
 pytest.importorskip("vllm")
 
-from tests.harness.workers import BLOCK, NUM_BLOCKS, VllmHalves
+from tests.harness.workers import BLOCK, NUM_BLOCKS, VllmHalves, vllm_scheduler
 
 # vLLM's Python classes only: run against every supported vLLM release (make test)
 pytestmark = pytest.mark.vllm_classes
@@ -66,39 +66,7 @@ def test_the_opt_in_comes_from_the_environment_or_the_connector_settings() -> No
 
 def _scheduler(model: Path, d: Path) -> Any:
     """vLLM's own scheduler, built as the engine builds it, with gpuckpt configured."""
-    import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    mc = ModelConfig(
-        model=str(model), tokenizer=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512
-    )
-    kv = KVTransferConfig(
-        kv_connector="GpuckptConnector",
-        kv_role="kv_both",
-        kv_connector_module_path="agent.engines.vllm.connector",
-        kv_connector_extra_config={"control_socket": str(d / "c.sock"), "staging_dir": str(d / "stage")},
-        kv_load_failure_policy="recompute",
-    )
-    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, is_encoder_decoder=False)
-    config = VllmConfig(
-        model_config=mc,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=kv,
-        scheduler_config=sc,
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
-    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return Scheduler(
-        vllm_config=config,
-        kv_cache_config=kvc,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK,
-        log_stats=False,
-    )
+    return vllm_scheduler(model, d / "c.sock", d / "stage")[2]
 
 
 def test_a_worker_of_an_unsupported_vllm_serves_with_gpuckpt_disabled_and_says_why(

@@ -35,49 +35,57 @@ NUM_BLOCKS = 64
 STEP_S = 0.01
 
 
+def vllm_scheduler(model: Path, sock: Path, stage: Path) -> tuple[Any, Any, Any]:
+    """vLLM's own ``Scheduler`` over a small config (``NUM_BLOCKS`` blocks of ``BLOCK`` tokens, one
+    full-attention group of ``LAYERS``), built as the engine builds it, with gpuckpt's connector
+    configured on ``sock``: ``(VllmConfig, KVCacheConfig, Scheduler)``."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    mc = ModelConfig(
+        model=str(model), tokenizer=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512
+    )
+    kv = KVTransferConfig(
+        kv_connector="GpuckptConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="agent.engines.vllm.connector",
+        kv_connector_extra_config={"control_socket": str(sock), "staging_dir": str(stage)},
+        kv_load_failure_policy="recompute",
+    )
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, is_encoder_decoder=False)
+    config = VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=kv,
+        scheduler_config=sc,
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kvc,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+    return config, kvc, scheduler
+
+
 class VllmHalves:
     """The vLLM connector's two halves in this process, stepped by a thread (see the module doc)."""
 
     def __init__(self, model: Path, sock: Path, stage: Path) -> None:
         import torch
-        from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
 
         from agent.engines.vllm.worker import WorkerHalf
 
-        mc = ModelConfig(
-            model=str(model), tokenizer=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512
-        )
-        kv = KVTransferConfig(
-            kv_connector="GpuckptConnector",
-            kv_role="kv_both",
-            kv_connector_module_path="agent.engines.vllm.connector",
-            kv_connector_extra_config={"control_socket": str(sock), "staging_dir": str(stage)},
-            kv_load_failure_policy="recompute",
-        )
-        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, is_encoder_decoder=False)
-        self.config = VllmConfig(
-            model_config=mc,
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            kv_transfer_config=kv,
-            scheduler_config=sc,
-        )
-        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]
-        )
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=BLOCK,
-            log_stats=False,
-        )
+        self.config, self.kv_cache_config, self.scheduler = vllm_scheduler(model, sock, stage)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         connector = self.scheduler.connector
@@ -85,7 +93,8 @@ class VllmHalves:
         self.half = connector.scheduler  # type: ignore[attr-defined]
         # what EngineCoreProc would be: the block hasher ``keys`` uses (no input queue: nothing to wake)
         self.half.engine = SimpleNamespace(request_block_hasher=self.hasher, input_queue=None)
-        self.worker = WorkerHalf(self.config, self.kv_cache_config, dict(kv.kv_connector_extra_config or {}))
+        extra = dict(self.config.kv_transfer_config.kv_connector_extra_config or {})
+        self.worker = WorkerHalf(self.config, self.kv_cache_config, extra)
         self.caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE) for name in LAYERS}
         self.worker.register_kv_caches(self.caches)
         self.channel = WorkerChannel(sock)
