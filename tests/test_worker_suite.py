@@ -79,3 +79,30 @@ class TestSglangLinker(WorkerTests):
     @pytest.fixture
     def subject(self, sglang_subject: Subject) -> Subject:
         return sglang_subject
+
+
+def test_an_sglang_outside_the_supported_range_is_served_with_gpuckpt_disabled(
+    sglang_python: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The linker in an SGLang it was not tested against: it answers ``ping``, its description says
+    why it is disabled, naming the version and the range, and a capture is refused with it."""
+    from agent.engines import versions
+    from ckpt.errors import EngineError
+    from tests.harness.workers import SglangLinkerHost
+
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    gen = _where()
+    where = next(gen)
+    h = SglangLinkerHost(
+        sglang_python, where / "c.sock", where / "stage", where / "linker.log", {"GPUCKPT_TEST_SGLANG_VERSION": "0.6.0"}
+    )
+    try:
+        h.channel.ping()
+        why = "sglang 0.6.0 is outside the versions this gpuckpt supports (sglang>=0.5.23,<0.5.24)"
+        assert why in str(h.channel.describe().layout.get("kv_not_carried")), h.channel.describe().layout
+        with pytest.raises(EngineError, match=r"sglang 0\.6\.0 is outside"):
+            h.channel.capture(timeout=30)
+        assert why in (where / "linker.log").read_text()
+    finally:
+        h.close()
+        next(gen, None)

@@ -170,9 +170,16 @@ class SglangLinkerHost:
     PAGE_SIZE = 16
     PAGE_SHAPE = (2, 2, 16, 2, 64)  # layers, K/V, page size, heads, head dim
 
-    def __init__(self, python: str, sock: Path, stage: Path, log: Path) -> None:
+    def __init__(self, python: str, sock: Path, stage: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: more of the host's environment (``GPUCKPT_TEST_SGLANG_VERSION``: the SGLang
+        version the linker is told it runs in)."""
         script = ROOT / "tests" / "harness" / "scripts" / "sglang_linker_host.py"
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join([str(STANDIN), str(ROOT)])}
+        env = {
+            **os.environ,
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "PYTHONPATH": os.pathsep.join([str(STANDIN), str(ROOT)]),
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             [python, str(script), str(sock), str(stage)],
             env=env,

@@ -109,7 +109,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
-from agent.engines import staging
+from agent.engines import staging, versions
 from agent.engines.protocol import Keys
 from agent.engines.service import Reply, Waiter, WorkerService, guard
 from agent.engines.sglang import state
@@ -213,6 +213,12 @@ class GpuckptLinker(UnifiedCacheLinker, TensorParallel):  # type: ignore[misc]
         self._rank, elsewhere = _ranks()
         count = int(self._k[0].shape[1]) if self._k else 1
         self._heads = Heads(0, count, count)
+        if self._disabled is None:
+            # an SGLang outside the supported range: nothing captured or restored, said by name
+            # (agent.engines.versions; the operator may opt in)
+            self._disabled = versions.refusal(
+                "sglang", versions.installed("sglang"), allowed=versions.allowed_by(extra)
+            )
         if self._disabled is None:
             self._disabled = self._refusal(server_args, count)
         if self._disabled is not None:

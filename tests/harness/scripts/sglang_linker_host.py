@@ -9,6 +9,7 @@ the real linker code.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -23,6 +24,10 @@ PAGE_SIZE, LAYERS, HEADS, HEAD_DIM, SLOTS = 16, 2, 2, 64, 1024
 
 def main() -> None:
     sock, stage = sys.argv[1], sys.argv[2]
+    if fake := os.environ.get("GPUCKPT_TEST_SGLANG_VERSION"):  # a test's SGLang of another version
+        from agent.engines import versions
+
+        versions.installed = lambda engine: fake
     pool = SimpleNamespace(
         k_buffer=[torch.zeros(SLOTS, HEADS, HEAD_DIM) for _ in range(LAYERS)],
         v_buffer=[torch.zeros(SLOTS, HEADS, HEAD_DIM) for _ in range(LAYERS)],
