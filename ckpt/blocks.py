@@ -123,7 +123,7 @@ class Block:
 
     @classmethod
     def from_array(cls, key: bytes, array: np.ndarray[Any, Any], dtype: str | None = None) -> Block:
-        import numpy as np
+        import numpy as np  # late: numpy is needed only by array blocks (typed under TYPE_CHECKING above)
 
         a = np.ascontiguousarray(array)
         return cls(key, a.reshape(-1).view(np.uint8).data, dtype or str(a.dtype), tuple(a.shape))

@@ -105,7 +105,7 @@ def _gpu_absent() -> bool:
     """
     if _gpu_device_nodes():
         return False
-    try:
+    try:  # late: torch is optional here (an agent image may have none) and slow to import
         import torch
 
         return not torch.cuda.is_available()
@@ -125,7 +125,7 @@ def _field(out: dict[str, FactValue], name: str, read: Callable[[], FactValue]) 
 
 def _probe_nvml() -> dict[str, FactValue]:
     """GPU product, compute capability, count and driver version from NVML."""
-    try:
+    try:  # late: NVML's bindings are optional (no GPU host needs them)
         import pynvml
     except ImportError:
         return {}
@@ -173,7 +173,7 @@ def _probe_nvml() -> dict[str, FactValue]:
 
 
 def _driver_library_missing(exc: BaseException) -> bool:
-    try:
+    try:  # late: cuda-python's pathfinder exists only in its newer releases
         from cuda.pathfinder import DynamicLibNotFoundError
     except ImportError:  # older cuda-python: a plain error naming the library
         return "libcuda" in str(exc) or "not found" in str(exc).lower()
@@ -186,7 +186,7 @@ def _probe_cuda_driver() -> dict[str, FactValue]:
     ``cuDriverGetVersion`` needs no ``cuInit``, so this neither creates
     driver threads nor initialises CUDA in the agent process.
     """
-    try:
+    try:  # late: cuda-python is optional, and loads the driver library when imported
         from cuda.bindings import driver
     except ImportError:
         return {}
@@ -209,10 +209,10 @@ def _probe_cuda_runtime() -> dict[str, FactValue]:
     build of torch has none (ABSENT). Without torch, cuda-python's
     ``cudaRuntimeGetVersion`` is the best remaining answer.
     """
-    try:
+    try:  # late: the engine's torch, when there is one (slow to import, optional here)
         import torch
     except ImportError:
-        from cuda.bindings import runtime
+        from cuda.bindings import runtime  # late: cuda-python, the fallback
 
         err, version = runtime.cudaRuntimeGetVersion()
         if err != runtime.cudaError_t.cudaSuccess:
@@ -225,7 +225,7 @@ def _probe_cuda_runtime() -> dict[str, FactValue]:
 
 
 def _probe_torch() -> dict[str, FactValue]:
-    import torch
+    import torch  # late: probed only when asked (slow to import)
 
     return {"torch_version": str(torch.__version__)}
 
@@ -399,7 +399,7 @@ def _default_cache_path() -> Path:
     env = os.environ.get("GPUCKPT_CACHE_DIR")
     if env:
         return Path(env) / _CACHE_FILE_NAME
-    import platformdirs
+    import platformdirs  # late: only without GPUCKPT_CACHE_DIR
 
     return Path(platformdirs.user_cache_dir("gpuckpt")) / _CACHE_FILE_NAME
 

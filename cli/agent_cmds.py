@@ -386,6 +386,7 @@ def _has_checkpoint(ctx: typer.Context, repo: str | None, key: str | None, worke
 def _quarantined(connector: str, m: ckpt.Manifest) -> dict[str, Any]:
     """What the crash-loop record beside the worker (``launch``'s runtime directory: the connector
     socket's) makes a restore of ``m`` leave out (:mod:`agent.daemon.quarantine`)."""
+    # late, like the restore's machinery: only --dry-run reads the record
     from agent.daemon import quarantine
     from agent.engines import ledgers
 

@@ -402,6 +402,7 @@ def _metric(what: str, n: int) -> None:
     try:
         c = _COUNTER[0]
         if c is None:
+            # late: only an API server that records continuations registers the counter
             from prometheus_client import Counter
 
             c = _COUNTER[0] = Counter(

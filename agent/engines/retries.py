@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import hmac
 import json
 import logging
@@ -255,8 +256,6 @@ def _write_token_file(sock: str, group: Any) -> str:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         if group:
-            import grp
-
             os.fchown(fd, -1, grp.getgrnam(str(group)).gr_gid if not str(group).isdigit() else int(group))
         os.fchmod(fd, mode)
         os.write(fd, token.encode())

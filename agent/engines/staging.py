@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 
 from agent import fs
 from agent.fs import Trust
+from ckpt.blocks import DTYPES
 from ckpt.errors import EngineError
 
 SCHEMA = "gpuckpt-vllm-pages"
@@ -121,7 +122,7 @@ class PageIndex:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PageIndex:
         if d.get("schema") != SCHEMA or d.get("version") != VERSION:
-            raise ValueError(f"not a version-{VERSION} {SCHEMA} index: {d.get('schema')!r} v{d.get('version')!r}")
+            raise PageFileError(f"not a version-{VERSION} {SCHEMA} index: {d.get('schema')!r} v{d.get('version')!r}")
         return cls(
             d["dtype"],
             tuple(d["page_shape"]),
@@ -190,7 +191,7 @@ class PageWriter:
         if self.page_bytes is None:
             self.page_bytes = n
         elif n != self.page_bytes:
-            raise ValueError(f"page of {n} bytes in a file of {self.page_bytes}-byte pages")
+            raise PageFileError(f"page of {n} bytes in a file of {self.page_bytes}-byte pages")
         self._f.write(page)
         self.keys.append(key)
 
@@ -214,8 +215,6 @@ def _check_geometry(path: Path, index: PageIndex, max_page_bytes: int) -> None:
     n = index.page_bytes
     if n < 0 or n > max_page_bytes:
         raise PageFileError(f"{path}: declares {n}-byte pages; the bound is {max_page_bytes} bytes")
-    from ckpt.blocks import DTYPES
-
     item = DTYPES.get(index.dtype)
     if item is not None and index.keys:
         made = item
@@ -272,7 +271,7 @@ class PageFile:
             # by the file's size: read(n) allocates n bytes up front, whatever the file holds
             raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_INDEX_BYTES) + 1)
         if len(raw) > MAX_INDEX_BYTES:
-            raise ValueError(f"{self.index_path}: index larger than {MAX_INDEX_BYTES} bytes")
+            raise PageFileError(f"{self.index_path}: index larger than {MAX_INDEX_BYTES} bytes")
         try:
             self.index = PageIndex.from_json(json.loads(raw))
         except (KeyError, TypeError, ValueError) as exc:

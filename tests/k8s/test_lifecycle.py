@@ -48,6 +48,7 @@ from agent.engines.vllm.serve import ServeClient
 from agent.testing import WorkerProcess
 from ckpt.errors import ConfigError
 from ckpt.keys import KeySource, generate_key
+from tests.harness.chart import BASE, CHART, HELM, one, workload
 from tests.harness.cli import cli
 from tests.harness.models import write_tiny_llama
 from tests.harness.net import free_port
@@ -55,7 +56,6 @@ from tests.harness.paths import short_dir
 from tests.harness.seaweed import ACCESS_KEY, REGION, SECRET_KEY, SeaweedServer
 from tests.harness.vllm import ARGS, ENV, GREEDY
 from tests.harness.waiting import concurrently, quiet, wait_for
-from tests.k8s.test_chart import BASE, CHART, HELM, one, workload
 
 pytestmark = [
     pytest.mark.slow,

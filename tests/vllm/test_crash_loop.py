@@ -28,10 +28,10 @@ from agent.engines.vllm.serve import ServeClient
 from ckpt import Repository
 from tests.harness.cli import CLI
 from tests.harness.clients import call
+from tests.harness.launched import agent_status, chat_model, healthy, kill_all, launch, until
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
 from tests.harness.poison import MARKER
-from tests.vllm.test_retries import _agent_status, _healthy, _kill_all, _launch, _until, chat_model
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +66,10 @@ def test_a_request_that_kills_the_engine_is_quarantined_after_one_crash_and_the_
     monkeypatch.setenv("POISON_AT", str(POISON_AT))  # the workers inherit it
     # A: the checkpoint holds the three requests mid-decode
     log_a = tmp / "launch-a.log"
-    a = _launch(model, tmp / "run-a", repo, port, log_a, extra)
+    a = launch(model, tmp / "run-a", repo, port, log_a, extra)
     sock_a = tmp / "run-a" / "w1-connector.sock"
     try:
-        _until(lambda: _healthy(url) and sock_a.exists(), 240, "worker A", a, log_a)
+        until(lambda: healthy(url) and sock_a.exists(), 240, "worker A", a, log_a)
         probe = canary.record(ServeClient(url).generate)
         threads = [
             threading.Thread(target=lambda k=k: _quietly(url, k), name=f"client-{k}", daemon=True) for k in prompts()
@@ -84,16 +84,16 @@ def test_a_request_that_kills_the_engine_is_quarantined_after_one_crash_and_the_
         when = {"live": 3, "min_outputs": 40}
         m = session.checkpoint_around(str(sock_a), start, r, "w1", canary=probe, when=when, timeout=300).manifest
     finally:
-        _kill_all(a, sock_a)
+        kill_all(a, sock_a)
     assert {e["client_request_id"] for e in m.ledger.data["requests"]} == {f"cmpl-{k}-0" for k in prompts()}
     # B: restores, resubmits; the poisoned request kills the engine; launch records it and exits
     rdir = tmp / "run-bc"
     log_b = tmp / "launch-b.log"
-    b = _launch(model, rdir, repo, port, log_b, extra)
+    b = launch(model, rdir, repo, port, log_b, extra)
     try:
         code = b.wait(600)
     finally:
-        _kill_all(b, rdir / "w1-connector.sock")
+        kill_all(b, rdir / "w1-connector.sock")
     text = log_b.read_text()
     assert code != 0, f"launch exited {code}:\n{text[-3000:]}"
     assert "quarantined for the next restore: cmpl-poison-0" in text, text[-3000:]
@@ -102,17 +102,17 @@ def test_a_request_that_kills_the_engine_is_quarantined_after_one_crash_and_the_
     assert record["body"]["requests"]["cmpl-poison-0"]["checkpoints"] == [m.id]
     # C: the same checkpoint, warm; the poisoned request not resubmitted, the others continued
     log_c = tmp / "launch-c.log"
-    c = _launch(model, rdir, repo, port, log_c, extra)
+    c = launch(model, rdir, repo, port, log_c, extra)
     try:
-        _until(lambda: _healthy(url), 240, "worker C", c, log_c)
+        until(lambda: healthy(url), 240, "worker C", c, log_c)
         retries = {k: call(url, k, "completions", body(k)) for k in ("short1", "short2")}
 
         def done() -> dict[str, Any] | None:
-            st = _agent_status(rdir / "w1.sock")
+            st = agent_status(rdir / "w1.sock")
             rr = (st or {}).get("restore") or {}
             return st if (rr.get("resubmission") or {}).get("state") == "done" else None
 
-        status = _until(done, 240, "C's resubmission", c, log_c)
+        status = until(done, 240, "C's resubmission", c, log_c)
         fresh = {k: call(url, f"{k}-again", "completions", body(k)) for k in ("short1", "short2")}
         sock = str(rdir / "w1-connector.sock")
         dry = subprocess.run(
@@ -123,9 +123,9 @@ def test_a_request_that_kills_the_engine_is_quarantined_after_one_crash_and_the_
         )
         # the worker stayed up through all of it
         assert c.poll() is None, log_c.read_text()[-3000:]
-        assert _healthy(url)
+        assert healthy(url)
     finally:
-        _kill_all(c, rdir / "w1-connector.sock")
+        kill_all(c, rdir / "w1-connector.sock")
     rr = status["restore"]
     assert rr["outcome"] == "warm", rr
     assert list(rr["quarantined"]) == ["cmpl-poison-0"], rr

@@ -25,7 +25,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -46,29 +45,14 @@ from agent.testing import ServeProcess
 from ckpt import Repository
 from tests.harness.cli import CLI
 from tests.harness.clients import Calls, call, checkpoint_during, generated, same_logprobs
-from tests.harness.models import CHAT_TEMPLATE
+from tests.harness.launched import ARGS, agent_status, chat_model, healthy, kill_all, launch, until
 from tests.harness.net import free_port
 from tests.harness.paths import short_dir
 from tests.harness.procs import running_in_group
-from tests.harness.vllm import ARGS as SERVE_ARGS
-from tests.harness.vllm import ENV, RESTORE_FOLLOWS, serve_worker
+from tests.harness.vllm import RESTORE_FOLLOWS, serve_worker
 
 pytestmark = pytest.mark.slow
 
-# the test workers' flags (tests.harness.vllm), with the tokenizer (text, chat) and room for every request at once
-ARGS = [
-    *(a for a in SERVE_ARGS if a != "--skip-tokenizer-init"),
-    "--max-num-seqs",
-    "16",
-    "--structured-outputs-config",
-    json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
-    "--enable-prompt-embeds",
-    # a tool parser, as a server taking tool calls has (the generated tokenizer has none of a
-    # model family's special tokens; the pythonic parser needs none)
-    "--enable-auto-tool-choice",
-    "--tool-call-parser",
-    "pythonic",
-]
 N = 160
 # "words" before "kind": the order the grammar generates them in, which a ledger that kept the
 # schema as a dict lost to the manifest's sorted keys (the restored grammar then rejected the
@@ -262,17 +246,6 @@ def prompt_embeds(rng: random.Random, n: int, hidden: int = 256) -> str:
     buf = io.BytesIO()
     torch.save(torch.tensor([[rng.gauss(0.0, 1.0) for _ in range(hidden)] for _ in range(n)]), buf)
     return base64.b64encode(buf.getvalue()).decode()
-
-
-def chat_model(tiny_llama_text: Path, tmp: Path) -> Path:
-    import shutil
-
-    path = tmp / "chat-model"
-    shutil.copytree(tiny_llama_text, path)
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return path
 
 
 def worker(model: Path, tmp: Path, name: str, cpu: int = 0, extra: dict[str, Any] | None = None) -> ServeProcess:
@@ -507,44 +480,6 @@ def test_a_reused_id_with_another_body_or_tenant_is_never_attached(retried: dict
     assert 'gpuckpt_continuations_total{event="attached"}' in retried["metrics"]
 
 
-def _launch(
-    model: Path, rdir: Path, repo: Path, port: int, log: Path, extra: tuple[str, ...] = ()
-) -> subprocess.Popen[bytes]:
-    argv = [*CLI, "launch", "--worker-id", "w1", "--runtime-dir", str(rdir)]
-    argv += ["--repo", str(repo), "--", sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    argv += ["--model", str(model), "--port", str(port), *ARGS, *extra, "--served-model-name", "m"]
-    # as fleets run their workers: vLLM refuses any KV connector beside expandable segments, and
-    # gpuckpt's plugin exempts its own (tests/test_vllm_plugin.py); the launched worker must start
-    env = {**os.environ, **ENV, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _until(pred: Any, timeout: float, what: str, proc: subprocess.Popen[bytes], log: Path) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"launch exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-        if v := pred():
-            return v
-        time.sleep(0.25)
-    raise TimeoutError(f"{what}:\n{log.read_text()[-3000:]}")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def _kill_all(launch: subprocess.Popen[bytes], sock: Path) -> None:
-    """SIGKILL the launch process group and the worker's (launch starts it in a session of its own)."""
-    with contextlib.suppress(Exception):
-        os.killpg(os.getpgid(WorkerChannel(str(sock)).ping().pid), signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(launch.pid, signal.SIGKILL)
-    launch.wait()
-
-
 def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
     tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -559,11 +494,11 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_a = tmp / "launch-a.log"
-    a = _launch(model, tmp / "run-a", repo, port, log_a)
+    a = launch(model, tmp / "run-a", repo, port, log_a)
     sock_a = tmp / "run-a" / "w1-connector.sock"
     ref: dict[str, Any] = {}
     try:
-        _until(lambda: _healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
+        until(lambda: healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
         from agent.engines.retries import token_path
         from agent.engines.vllm.serve import ServeClient
 
@@ -595,11 +530,11 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
             t.join(600)
         assert not errors, errors
     finally:
-        _kill_all(a, sock_a)
+        kill_all(a, sock_a)
     log_b = tmp / "launch-b.log"
-    b = _launch(model, tmp / "run-b", repo, port, log_b)
+    b = launch(model, tmp / "run-b", repo, port, log_b)
     try:
-        _until(lambda: _healthy(url), 240, "the relaunched worker", b, log_b)
+        until(lambda: healthy(url), 240, "the relaunched worker", b, log_b)
         retries: dict[str, Any] = {}
         errors = []
 
@@ -628,9 +563,9 @@ def test_through_gpuckpt_launch_the_clients_retries_get_their_answers(
             rr = (doc or {}).get("restore") or {}
             return doc if (rr.get("resubmission") or {}).get("state") == "done" else None
 
-        status = _until(done, 240, "the agent's resubmission", b, log_b)
+        status = until(done, 240, "the agent's resubmission", b, log_b)
     finally:
-        _kill_all(b, tmp / "run-b" / "w1-connector.sock")
+        kill_all(b, tmp / "run-b" / "w1-connector.sock")
     rr = status["restore"]
     assert rr["outcome"] == "warm", rr
     assert rr["checkpoint"] == m.id
@@ -661,7 +596,7 @@ def test_a_sigkill_under_gpuckpt_launch_ends_every_stream_as_an_error_and_leaves
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp / "launch.log"
-    p = _launch(model, tmp / "run", tmp / "repo", port, log)
+    p = launch(model, tmp / "run", tmp / "repo", port, log)
     sock = tmp / "run" / "w1-connector.sock"
     pgid = None
     long = {"temperature": 0.0, "max_tokens": 900, **NOEOS, "stream": True}
@@ -681,12 +616,12 @@ def test_a_sigkill_under_gpuckpt_launch_ends_every_stream_as_an_error_and_leaves
 
     threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in bodies]
     try:
-        _until(lambda: _healthy(url) and sock.exists(), 240, "the launched worker", p, log)
+        until(lambda: healthy(url) and sock.exists(), 240, "the launched worker", p, log)
         pgid = os.getpgid(WorkerChannel(str(sock)).ping().pid)
         assert pgid != os.getpgid(p.pid), "the worker runs in a session of its own"
         # the agent's canary probe first, then the clients, held to start together: the engine
         # itself says when every one is decoding, its client's stream open (no poll races them)
-        _until(lambda: (_agent_status(tmp / "run" / "w1.sock") or {}).get("canary"), 240, "the canary", p, log)
+        until(lambda: (agent_status(tmp / "run" / "w1.sock") or {}).get("canary"), 240, "the canary", p, log)
         session.hold(str(sock), len(bodies), timeout=300)
         for t in threads:
             t.start()
@@ -721,11 +656,6 @@ def test_a_sigkill_under_gpuckpt_launch_ends_every_stream_as_an_error_and_leaves
             p.wait()
 
 
-def _agent_status(api: Path) -> dict[str, Any] | None:
-    st = subprocess.run([*CLI, "status", "--agent", str(api), "--json"], capture_output=True, text=True, timeout=120)
-    return json.loads(st.stdout) if st.returncode == 0 else None
-
-
 def test_sigterm_of_launch_with_the_batch_full_checkpoints_at_once_and_every_retry_attaches(
     tiny_llama_text: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -751,7 +681,7 @@ def test_sigterm_of_launch_with_the_batch_full_checkpoints_at_once_and_every_ret
         for i in range(slots)
     }
     log_a = tmp / "launch-a.log"
-    a = _launch(model, tmp / "run-a", repo, port, log_a, flags)
+    a = launch(model, tmp / "run-a", repo, port, log_a, flags)
     sock_a = tmp / "run-a" / "w1-connector.sock"
     first: dict[str, Any] = {}
 
@@ -763,8 +693,8 @@ def test_sigterm_of_launch_with_the_batch_full_checkpoints_at_once_and_every_ret
 
     threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in bodies]
     try:
-        _until(lambda: _healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
-        _until(lambda: (_agent_status(tmp / "run-a" / "w1.sock") or {}).get("canary"), 240, "the canary", a, log_a)
+        until(lambda: healthy(url) and sock_a.exists(), 240, "the launched worker", a, log_a)
+        until(lambda: (agent_status(tmp / "run-a" / "w1.sock") or {}).get("canary"), 240, "the canary", a, log_a)
         session.hold(str(sock_a), slots, timeout=300)  # every slot taken at once: a full batch
         for t in threads:
             t.start()
@@ -774,7 +704,7 @@ def test_sigterm_of_launch_with_the_batch_full_checkpoints_at_once_and_every_ret
         for t in threads:
             t.join(300)
     finally:
-        _kill_all(a, sock_a)
+        kill_all(a, sock_a)
     saved = [ln for ln in log_a.read_text().splitlines() if "checkpoint saved" in ln and "stop" in ln]
     assert saved, log_a.read_text()[-3000:]
     timings = json.loads(re.search(r"timings=(\{[^}]*\})", saved[-1]).group(1))  # type: ignore[union-attr]
@@ -787,9 +717,9 @@ def test_sigterm_of_launch_with_the_batch_full_checkpoints_at_once_and_every_ret
     assert len(manifest.ledger.data["requests"]) == slots  # type: ignore[union-attr]
 
     log_b = tmp / "launch-b.log"
-    b = _launch(model, tmp / "run-b", repo, port, log_b, flags)
+    b = launch(model, tmp / "run-b", repo, port, log_b, flags)
     try:
-        _until(lambda: _healthy(url), 240, "the relaunched worker", b, log_b)
+        until(lambda: healthy(url), 240, "the relaunched worker", b, log_b)
         retries = Calls({k: partial(call, url, k, *bodies[k]) for k in bodies})
         retries.start()
         got = retries.join()
@@ -798,7 +728,7 @@ def test_sigterm_of_launch_with_the_batch_full_checkpoints_at_once_and_every_ret
         fresh.start()
         want = fresh.join()
     finally:
-        _kill_all(b, tmp / "run-b" / "w1-connector.sock")
+        kill_all(b, tmp / "run-b" / "w1-connector.sock")
     for k in bodies:
         assert got[k]["attach"] == "attached", (k, got[k]["attach"])
         assert got[k]["choices"][0]["ids"] == want[k]["choices"][0]["ids"], k

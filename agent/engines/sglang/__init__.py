@@ -1,2 +1,4 @@
-"""The SGLang engine adapter: the linker loaded into the server (:mod:`.linker`, the only module that
-imports SGLang), its request ledger (:mod:`.ledger`) and the serving client (:mod:`.serve`)."""
+"""The SGLang engine adapter: the linker loaded into the server (:mod:`.linker`), its request ledger
+(:mod:`.ledger`) and the serving client (:mod:`.serve`). The modules that run inside SGLang's
+processes import it (the linker and its parts, :mod:`.describe`, :mod:`.state`, :mod:`.server`,
+:mod:`.middleware`); the agent's side (:mod:`.engine`, :mod:`.serve`, :mod:`.ledger`) never does."""

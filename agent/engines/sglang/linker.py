@@ -158,7 +158,7 @@ def _ranks() -> tuple[int, int]:
     replica (0 for both in the one scheduler that serves the control socket), from SGLang's
     parallel context (set before the cache is built); ``(0, 0)`` without one (a linker hosted on
     bare pools)."""
-    try:
+    try:  # probed: an SGLang without a parallel context (a linker on bare pools) answers (0, 0)
         from sglang.srt.runtime_context import get_parallel
 
         p = get_parallel()

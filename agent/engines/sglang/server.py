@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    from agent.engines.sglang.middleware import install
+    from agent.engines.sglang.middleware import install  # late: it imports SGLang's HTTP server too
 
     load_plugins()
     server_args = prepare_server_args(argv)

@@ -58,7 +58,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from vllm import SamplingParams
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize, get_block_hash, get_group_id
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.request import Request
 
@@ -296,8 +296,6 @@ class VllmService(WorkerService):
         hb = int(getattr(self.pool, "hash_block_size", 0) or self.block_size)
         if hb == self.block_size:
             return hashes
-        from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
-
         return BlockHashListWithBlockSize(hashes, hb, self.block_size)
 
     def running_states(

@@ -65,6 +65,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -289,8 +290,6 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _vllm_version() -> str:
-    import vllm
-
     return str(vllm.__version__)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import vllm
 from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from agent.engines.vllm import internals
 from agent.engines.vllm.groups import LEGACY_SIGNATURE, not_carried, page_heads, signature, worker_groups
@@ -224,8 +225,6 @@ def _layer_spec(spec: Any) -> Any:
 
 
 def _quantized(kv_cache_dtype: str) -> bool:
-    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
-
     try:
         return kv_cache_dtype != "auto" and bool(is_quantized_kv_cache(kv_cache_dtype))
     except (KeyError, ValueError):  # a dtype this vLLM does not know: say quantized, pin its scales

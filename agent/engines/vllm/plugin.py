@@ -26,14 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from agent.engines.vllm.internals import connector_registered
+
 NAME = "GpuckptConnector"
 
 
 def register() -> None:
     # late: vLLM calls register() while it loads its plugins, before its connector factory is wanted
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    from agent.engines.vllm.internals import connector_registered
 
     # register_connector raises on a second registration of the same name.
     if not connector_registered(NAME):
@@ -52,7 +52,7 @@ def _wrap(method: str, ours: Callable[[Any, Callable[[Any], None]], None]) -> No
     """Put ``ours(config, vllm_rule)`` in place of ``VllmConfig.<method>`` for a configuration whose
     connector is gpuckpt's alone; every other keeps vLLM's rule. Once per process (vLLM loads
     plugins more than once in some); nothing where vLLM has no such method."""
-    try:
+    try:  # late, like register's: vLLM is loading its plugins when this runs
         from vllm.config import VllmConfig
     except ImportError:  # pragma: no cover - vLLM is what loads this plugin
         return
