@@ -10,28 +10,19 @@ text round trip can shift a token. A resubmitted request keeps its original ``ri
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
-import httpx
-
-from agent import fs
-from agent.engines.retries import RESUBMIT_HEADER, TOKEN_HEADER
+from agent.engines.retries import TOKEN_HEADER
 from agent.engines.serving import (
-    NO_KEEPALIVE,
-    AgentCalls,
     Completion,
     ServeError,
+    ServingClient,
     check_response,
-    split_left,
-    tell_done,
 )
 from agent.engines.sglang.ledger import SAMPLING_FIELDS, carry_api
 from agent.engines.types import Resubmission
@@ -134,27 +125,13 @@ def serve_command(
     ]
 
 
-class SglangClient(AgentCalls):
-    """Client for an SGLang server's ``/generate`` (thread-safe; :meth:`submit` runs concurrently so
-    the resubmissions batch in the server as they did before the checkpoint)."""
+class SglangClient(ServingClient):
+    """Client for an SGLang server's ``/generate`` (what every engine's client shares:
+    :class:`agent.engines.serving.ServingClient`)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        timeout: float = 600.0,
-        transport: httpx.BaseTransport | None = None,
-        token_file: str | os.PathLike[str] | None = None,
-        trust: fs.Trust | None = None,
-    ) -> None:
-        """``token_file``: where gpuckpt's server writes the worker's resubmission token (beside the
-        linker's control socket): with it, resubmissions are kept for the clients' retries."""
-        self._http = httpx.Client(
-            base_url=base_url.rstrip("/"), timeout=timeout, transport=transport, limits=NO_KEEPALIVE
-        )
-        self._token_file = token_file
-        self._trust = trust
-        self._token: str | None = None
+    WHAT = "the server"
+    STREAM = False
+    TEE_WITHOUT_API = False
 
     def request_facts(self, rids: list[str]) -> dict[str, Any]:
         """The API facts gpuckpt's server recorded for these rids (``{rid: facts | None}``);
@@ -171,30 +148,6 @@ class SglangClient(AgentCalls):
         """A captured ledger with what only the worker's server knows of its requests: their API
         facts (:func:`agent.engines.sglang.ledger.carry_api`), so the clients' retries attach."""
         return carry_api(ledger, self.request_facts)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> SglangClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def wait_ready(self, timeout: float = 300.0, alive: Callable[[], bool] | None = None) -> float:
-        """Poll ``/health`` until it answers 200 (``alive()`` false ends the wait); seconds waited."""
-        t0 = time.monotonic()
-        while True:
-            try:
-                if self._http.get("/health", timeout=5).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.TransportError:
-                pass
-            if alive is not None and not alive():
-                raise ServeError("the server exited before its API became ready")
-            if time.monotonic() - t0 > timeout:
-                raise ServeError(f"the server's API was not ready after {timeout:.0f} s")
-            time.sleep(0.25)
 
     def complete(
         self,
@@ -263,53 +216,16 @@ class SglangClient(AgentCalls):
         """Greedy continuation of ``n`` tokens, EOS ignored: the canary's ``generate``."""
         return self.complete(prompt_ids, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}).token_ids
 
-    def submit(
-        self,
-        requests: Iterable[Resubmission],
-        *,
-        max_concurrency: int = 64,
-        stream: bool = False,
-        on_done: Callable[[str], None] | None = None,
-    ) -> dict[str, Completion]:
-        """Resubmit a restored ledger under the original rids; each completion holds the new tokens
-        only (a request's whole output is ``r.output_token_ids + result[r.request_id].token_ids``)."""
-        # a request whose input the ledger does not carry is never resubmitted (it would run on
-        # another input); its client's retry sends the input again
-        reqs = list(requests)
-        left, _ = split_left(reqs)
-        token = self.token()
-        if token is not None:
-            # a continuation its client cannot collect would be computed twice: leave it to the retry
-            for r in reqs:
-                if r.request_id not in left and (why := (r.api or {}).get("unattachable")):
-                    left[r.request_id] = Completion(r.request_id, left_to_client=why)
-            self.expect(reqs, token, left={rid: c.left_to_client or "" for rid, c in left.items()})
-        reqs = [r for r in reqs if r.request_id not in left]
-        if not reqs:
-            return left
-
-        def extra(r: Resubmission) -> dict[str, str] | None:
-            if token is None or not r.api:
-                return None
-            info = {"id": r.request_id, "api": r.api, "prompt_len": r.num_prompt_tokens}
-            return {RESUBMIT_HEADER: json.dumps(info, separators=(",", ":")), TOKEN_HEADER: token}
-
-        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:
-            futs = {
-                r.request_id: pool.submit(
-                    self.complete,
-                    r.token_ids,
-                    r.sampling,
-                    rid=r.request_id,
-                    extra_key=r.sampling.get("extra_key"),
-                    cache_salt=r.cache_salt,
-                    priority=r.priority,
-                    stream=stream,
-                    headers=extra(r),
-                )
-                for r in reqs
-            }
-            if on_done is not None:
-                for rid, f in futs.items():
-                    f.add_done_callback(functools.partial(tell_done, on_done, rid))
-            return {**left, **{rid: f.result() for rid, f in futs.items()}}
+    def resubmit_one(
+        self, r: Resubmission, token: str | None, headers: dict[str, str] | None, stream: bool
+    ) -> Completion:
+        return self.complete(
+            r.token_ids,
+            r.sampling,
+            rid=r.request_id,
+            extra_key=r.sampling.get("extra_key"),
+            cache_salt=r.cache_salt,
+            priority=r.priority,
+            stream=stream,
+            headers=headers,
+        )

@@ -36,7 +36,6 @@ serve`` runs.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -44,21 +43,17 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
-from agent.engines.retries import RESUBMIT_HEADER, TOKEN_HEADER
+from agent.engines.retries import TOKEN_HEADER
 from agent.engines.serving import (
-    NO_KEEPALIVE,
-    AgentCalls,
     Completion,
     ServeError,
+    ServingClient,
     check_response,
-    split_left,
-    tell_done,
 )
 from agent.engines.types import Resubmission
 from agent.engines.vllm.ledger import SAMPLING_FIELDS, carry_logprobs
@@ -154,13 +149,9 @@ def header_request_id(client_request_id: str) -> str:
     return m.group("base") if m and m.group("choice") == "0" else client_request_id
 
 
-class ServeClient(AgentCalls):
-    """Client for a ``vllm serve`` worker's OpenAI-compatible completions API.
-
-    Thread-safe (one :class:`httpx.Client`); :meth:`submit` runs the
-    resubmissions concurrently so they batch in the engine as they did
-    before the checkpoint.
-    """
+class ServeClient(ServingClient):
+    """Client for a ``vllm serve`` worker's OpenAI-compatible completions API (what every engine's
+    client shares: :class:`agent.engines.serving.ServingClient`)."""
 
     def __init__(
         self,
@@ -173,44 +164,13 @@ class ServeClient(AgentCalls):
         token_file: str | os.PathLike[str] | None = None,
         trust: Any = None,
     ) -> None:
-        """``token_file``: the worker's resubmission token (beside its control socket, written by
-        gpuckpt's middleware; read when :meth:`submit` first needs it, checked like every file a
-        worker hands the agent, ``trust`` saying whose it may be)."""
+        """``model``: the served model's name (else the first ``/v1/models`` lists); ``api_key``:
+        the server's ``--api-key``; the rest: :class:`ServingClient`'s."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport, limits=NO_KEEPALIVE
+        super().__init__(
+            base_url, timeout=timeout, transport=transport, token_file=token_file, trust=trust, headers=headers
         )
         self._model = model
-        self._token_file, self._trust = token_file, trust
-        self._token: str | None = None
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> ServeClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def wait_ready(self, timeout: float = 300.0, alive: Callable[[], bool] | None = None) -> float:
-        """Poll ``/health`` until it answers 200; returns the seconds waited.
-
-        ``alive()`` (e.g. ``lambda: proc.poll() is None``) ends the wait early
-        when the worker process has died.
-        """
-        t0 = time.monotonic()
-        while True:
-            try:
-                if self._http.get("/health", timeout=5).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.TransportError:
-                pass
-            if alive is not None and not alive():
-                raise ServeError("the worker exited before its API became ready")
-            if time.monotonic() - t0 > timeout:
-                raise ServeError(f"the worker's API was not ready after {timeout:.0f} s")
-            time.sleep(0.25)
 
     @property
     def model(self) -> str:
@@ -329,67 +289,18 @@ class ServeClient(AgentCalls):
         of their outputs so far (:func:`agent.engines.vllm.ledger.carry_logprobs`)."""
         return carry_logprobs(ledger, self.logprobs)
 
-    def submit(
-        self,
-        requests: Iterable[Resubmission],
-        *,
-        max_concurrency: int = 64,
-        stream: bool = True,
-        on_done: Callable[[str], None] | None = None,
-    ) -> dict[str, Completion]:
-        """Resubmit a restored ledger; returns each request's completion under its original id.
-
-        The completions hold only the new tokens; a request's whole output is
-        ``r.output_token_ids + result[r.request_id].token_ids``. With gpuckpt's
-        middleware on the worker (its token file readable), each runs under
-        its ledger id and its continuation is kept there for the client's
-        retry (:mod:`agent.engines.vllm.middleware`). ``stream=False`` asks for
-        one response per request (the agent's own resubmission, which nobody
-        watches: the server then spends nothing per token on it; the
-        continuation is still kept token by token for the retries).
-        """
-        reqs = list(requests)
-        if not reqs:
-            return {}
-        token = self.token()
-        # a request whose input the ledger does not carry is never resubmitted (it would run on
-        # another input); its client's retry sends the input again
-        left, _ = split_left(reqs)
-        if token is not None:
-            # a continuation its client cannot collect (the middleware serves such a retry as a new
-            # request) would be computed twice: leave it to the retry
-            for r in reqs:
-                if r.request_id not in left and (why := (r.api or {}).get("unattachable")):
-                    left[r.request_id] = Completion(r.request_id, left_to_client=why)
-            self.expect(reqs, token, left={rid: c.left_to_client or "" for rid, c in left.items()})
-        reqs = [r for r in reqs if r.request_id not in left]
-        if not reqs:
-            return left
-
-        def extra(r: Resubmission) -> dict[str, str] | None:
-            if token is None:
-                return None
-            info = {"id": r.request_id, "api": r.api, "prompt_len": r.num_prompt_tokens}
-            return {RESUBMIT_HEADER: json.dumps(info, separators=(",", ":")), TOKEN_HEADER: token}
-
-        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(reqs))) as pool:
-            futs = {
-                r.request_id: pool.submit(
-                    self.complete,
-                    r.token_ids,
-                    r.sampling,
-                    request_id=header_request_id(r.request_id),
-                    cache_salt=r.cache_salt,
-                    priority=r.priority,
-                    headers=extra(r),
-                    stream=stream,
-                    # the checkpoint's logprobs of the earlier outputs, for the retry (the
-                    # middleware takes them out of the body; only with its token)
-                    extra_body={LOGPROBS_FIELD: r.logprobs} if token is not None and r.logprobs is not None else None,
-                )
-                for r in reqs
-            }
-            if on_done is not None:
-                for rid, f in futs.items():
-                    f.add_done_callback(functools.partial(tell_done, on_done, rid))
-            return {**left, **{rid: f.result() for rid, f in futs.items()}}
+    def resubmit_one(
+        self, r: Resubmission, token: str | None, headers: dict[str, str] | None, stream: bool
+    ) -> Completion:
+        return self.complete(
+            r.token_ids,
+            r.sampling,
+            request_id=header_request_id(r.request_id),
+            cache_salt=r.cache_salt,
+            priority=r.priority,
+            headers=headers,
+            stream=stream,
+            # the checkpoint's logprobs of the earlier outputs, for the retry (the middleware takes
+            # them out of the body; only with its token)
+            extra_body={LOGPROBS_FIELD: r.logprobs} if token is not None and r.logprobs is not None else None,
+        )
