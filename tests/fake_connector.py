@@ -174,9 +174,6 @@ class FakeConnector(WorkerService):
         self._stream = None
         return True
 
-    def end_stream_of(self, w: Waiter, seq: int, why: str) -> None:
-        self.stream_cancel(seq, why)
-
     def on_next(self, msg: Next) -> Reply:
         """A capture is one chunk: the call after it is ``done``."""
         with self.lock:

@@ -183,6 +183,7 @@ class WorkerService:
 
     def end_stream_of(self, w: Waiter, seq: int, why: str) -> None:
         """A capture answered as its caller gave up: abandon its stream ``seq`` (lock held)."""
+        self.stream_cancel(seq, why)
 
     def waiting_for(self, w: Waiter) -> str:
         """What a timed-out call was waiting for, for its error (lock held)."""
@@ -206,12 +207,17 @@ class WorkerService:
         """The offer ended (lock held): drop what it carried beside its pages."""
 
     def stream_cancel(self, seq: int, why: str) -> bool:
-        """End capture stream ``seq`` with ``why`` (lock held); whether there was one."""
+        """End capture stream ``seq`` (any, for a negative one) with ``why`` (lock held); whether
+        there was one."""
+        st = self.stream
+        if st is not None and (seq < 0 or st.seq == seq):
+            self.end_stream(st, why)
+            return True
         return False
 
     def stream_names(self) -> set[str]:
         """The page-file names of captures in flight (lock held): :meth:`on_sweep` keeps them."""
-        return set()
+        return {self.stream.name} if self.stream is not None else set()
 
     def engine_stats(self) -> dict[str, Any]:
         """This engine's counters beside the common ones (lock held)."""

@@ -506,19 +506,6 @@ class Capturer(WorkerService):
             if not st.waiters:
                 self.end_stream(st, "the capture call timed out")
 
-    def end_stream_of(self, w: Waiter, seq: int, why: str) -> None:
-        self.stream_cancel(seq, why)
-
-    def stream_cancel(self, seq: int, why: str) -> bool:
-        st = self.stream
-        if st is not None and (seq < 0 or st.seq == seq):
-            self.end_stream(st, why)
-            return True
-        return False
-
-    def stream_names(self) -> set[str]:
-        return {self.stream.name} if self.stream is not None else set()
-
     def end_stream(self, st: Stream, error: str | None) -> None:
         """Close a capture stream (lock held): its locks go to the next boundary's release; with
         ``error``, delete what it staged and tell whoever waits for it. Ending it again does nothing."""

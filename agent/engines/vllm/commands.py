@@ -225,9 +225,6 @@ class VllmService(WorkerService):
         if self.stream is not None and w in self.stream.waiters:
             self.stream.waiters.remove(w)
 
-    def end_stream_of(self, w: Waiter, seq: int, why: str) -> None:
-        self.stream_cancel(seq, why)
-
     def waiting_for(self, w: Waiter) -> str:
         failing = ", ".join(f"{k} ({n}×)" for k, n in sorted(self.failures.items()))
         why = f"failing connector hooks: {failing}" if failing else "is the engine idle?"
@@ -250,16 +247,6 @@ class VllmService(WorkerService):
 
     def offered(self) -> None:
         self.offered_event.set()
-
-    def stream_cancel(self, seq: int, why: str) -> bool:
-        st = self.stream
-        if st is not None and (seq < 0 or st.seq == seq):
-            self.end_stream(st, why)
-            return True
-        return False
-
-    def stream_names(self) -> set[str]:
-        return {self.stream.name} if self.stream is not None else set()
 
     def engine_stats(self) -> dict[str, Any]:
         return {
