@@ -1,7 +1,7 @@
 """What the engines' HTTP clients share (no engine import): a finished completion as the agent
 sees it, the error a worker's API answers with, the agent's calls to gpuckpt's middleware in
 the worker's server (its token, ``expect``, the retry hold: :class:`AgentCalls`), and the client
-itself less what differs by engine (:class:`ServingClient`: readiness, the resubmission of a
+itself less what differs by engine (:class:`ServingHttpClient`: readiness, the resubmission of a
 restored ledger; an engine supplies one request's call)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
     "AgentCalls",
     "Completion",
     "ServeError",
-    "ServingClient",
+    "ServingHttpClient",
     "check_response",
     "split_left",
     "tell_done",
@@ -180,8 +180,9 @@ def tell_done(on_done: Callable[[str], None], request_id: str, done: Future[Any]
         on_done(request_id)
 
 
-class ServingClient(AgentCalls):
-    """A worker's HTTP API as the agent uses it, the same on every engine: readiness and the
+class ServingHttpClient(AgentCalls):
+    """A worker's HTTP API as the agent uses it (an :class:`agent.engines.types.ServingClient`), the
+    same on every engine: readiness and the
     resubmission of a restored ledger (each request under its ledger id, kept by gpuckpt's
     middleware for its client's retry). Thread-safe (one :class:`httpx.Client`). An engine's client
     supplies :meth:`resubmit_one` (one request's call to its API), its canary's ``generate`` and
@@ -221,7 +222,7 @@ class ServingClient(AgentCalls):
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> ServingClient:
+    def __enter__(self) -> ServingHttpClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

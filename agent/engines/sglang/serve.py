@@ -21,7 +21,7 @@ from agent.engines.retries import TOKEN_HEADER
 from agent.engines.serving import (
     Completion,
     ServeError,
-    ServingClient,
+    ServingHttpClient,
     check_response,
 )
 from agent.engines.sglang.ledger import SAMPLING_FIELDS, carry_api
@@ -125,9 +125,9 @@ def serve_command(
     ]
 
 
-class SglangClient(ServingClient):
+class SglangClient(ServingHttpClient):
     """Client for an SGLang server's ``/generate`` (what every engine's client shares:
-    :class:`agent.engines.serving.ServingClient`)."""
+    :class:`agent.engines.serving.ServingHttpClient`)."""
 
     WHAT = "the server"
     STREAM = False

@@ -52,7 +52,7 @@ from agent.engines.retries import TOKEN_HEADER
 from agent.engines.serving import (
     Completion,
     ServeError,
-    ServingClient,
+    ServingHttpClient,
     check_response,
 )
 from agent.engines.types import Resubmission
@@ -149,9 +149,9 @@ def header_request_id(client_request_id: str) -> str:
     return m.group("base") if m and m.group("choice") == "0" else client_request_id
 
 
-class ServeClient(ServingClient):
+class ServeClient(ServingHttpClient):
     """Client for a ``vllm serve`` worker's OpenAI-compatible completions API (what every engine's
-    client shares: :class:`agent.engines.serving.ServingClient`)."""
+    client shares: :class:`agent.engines.serving.ServingHttpClient`)."""
 
     def __init__(
         self,
@@ -165,7 +165,7 @@ class ServeClient(ServingClient):
         trust: Any = None,
     ) -> None:
         """``model``: the served model's name (else the first ``/v1/models`` lists); ``api_key``:
-        the server's ``--api-key``; the rest: :class:`ServingClient`'s."""
+        the server's ``--api-key``; the rest: :class:`ServingHttpClient`'s."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         super().__init__(
             base_url, timeout=timeout, transport=transport, token_file=token_file, trust=trust, headers=headers
