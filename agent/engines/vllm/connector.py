@@ -249,7 +249,10 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM 0.34: ``IN_PROCESS`` — gpuckpt reads and writes the registered tensors with torch
         ops in the worker's own process; it registers no memory with a NIC and exports no handle,
         so the extensible KV cache stays on (docs/design/vllm-versions.md)."""
-        return internals.in_process_access()
+        try:
+            return internals.in_process_access()
+        except Exception:  # a vLLM that moved the flag: its own default (IN_PROCESS in 0.34), never a failed start
+            return super().kv_cache_access(kv_transfer_config)
 
     @guard(lambda self, forward_context, **kwargs: self._w.fail_loads(self._connector_metadata))
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
