@@ -15,6 +15,7 @@ is still held.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,18 @@ def test_a_flush_during_a_capture_ends_it_and_the_next_capture_works(old_then_ne
     assert _protected(s) == 0
 
 
-def test_the_description_carries_the_gpu_facts_as_the_servers_process_probes_them(server: SglangProcess) -> None:
-    # on Kubernetes only the worker's container has the GPU: the agent fills its unknowns from here
+def test_the_description_carries_the_gpu_facts_as_the_servers_process_probes_them(
+    server: SglangProcess, sglang_python: str
+) -> None:
+    # on Kubernetes only the worker's container has the GPU: the agent fills its unknowns from here;
+    # and the torch that writes the KV cache is the server's (pinned, not the agent's)
     desc = WorkerChannel(server.control_socket).describe()
     host = desc.layout["host"]
-    assert set(host) == set(GPU_FACTS)
+    assert set(host) == {*GPU_FACTS, "torch_version"}
+    theirs = subprocess.run(
+        [sglang_python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, timeout=300
+    )
+    assert host["torch_version"] == theirs.stdout.strip()
     mine = host_facts(use_cuda=False).model_dump(include=set(GPU_FACTS))
     nvml = ("gpu_product", "gpu_count", "driver_version")  # one machine: NVML answers both processes alike
     assert {k: host[k] for k in nvml} == {k: mine[k] for k in nvml}
