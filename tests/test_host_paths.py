@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -250,7 +251,11 @@ def test_launch_gives_the_worker_no_secret_of_the_agent(short_tmp: Path, monkeyp
     class Stop(Exception):
         pass
 
-    def popen(argv: list[str], **kw: object) -> None:
+    real = subprocess.Popen
+
+    def popen(argv: list[str], **kw: object) -> object:
+        if "env" not in kw:  # launch's probe of the worker's interpreter (which vLLM it has): run it
+            return real(argv, **kw)  # type: ignore[call-overload]
         seen["env"] = dict(kw["env"])  # type: ignore[arg-type]
         raise Stop
 
