@@ -82,9 +82,9 @@ def allowed_by(extra: Mapping[str, Any] | None = None, environ: Mapping[str, str
     return bool((extra or {}).get("allow_unsupported_engine"))
 
 
-def refusal(engine: str, version: str | None, *, allowed: bool) -> str | None:
-    """Why a worker of ``engine`` ``version`` runs with gpuckpt disabled (``None``: it does not —
-    the version is supported, or the operator opted in)."""
+def refusal(engine: str, version: str | None = None, *, allowed: bool) -> str | None:
+    """Why a worker of ``engine`` ``version`` (else the installed one) runs with gpuckpt disabled
+    (``None``: it does not — the version is supported, or the operator opted in)."""
     s = support(engine, version)
     if s.ok or allowed:
         return None

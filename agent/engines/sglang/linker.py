@@ -216,9 +216,7 @@ class GpuckptLinker(UnifiedCacheLinker, TensorParallel):  # type: ignore[misc]
         if self._disabled is None:
             # an SGLang outside the supported range: nothing captured or restored, said by name
             # (agent.engines.versions; the operator may opt in)
-            self._disabled = versions.refusal(
-                "sglang", versions.installed("sglang"), allowed=versions.allowed_by(extra)
-            )
+            self._disabled = versions.refusal("sglang", allowed=versions.allowed_by(extra))
         if self._disabled is None:
             self._disabled = self._refusal(server_args, count)
         if self._disabled is not None:

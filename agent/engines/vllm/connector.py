@@ -109,11 +109,12 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM outside the supported range: the inert connector instead (its __init__ runs here;
         # Python skips ours for an object of another class)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        why = versions.refusal("vllm", _vllm_version(), allowed=versions.allowed_by(extra))
+        allowed = versions.allowed_by(extra)
+        why = versions.refusal("vllm", vllm.__version__, allowed=allowed)
         if why is not None:
             return DisabledConnector(vllm_config, role, kv_cache_config, why)
-        if versions.allowed_by(extra) and not versions.support("vllm", _vllm_version()).ok:
-            log.warning("gpuckpt: vllm %s is not a version this gpuckpt was tested on; run as asked", _vllm_version())
+        if allowed and not versions.support("vllm", vllm.__version__).ok:
+            log.warning("gpuckpt: vllm %s is not a version this gpuckpt was tested on; run as asked", vllm.__version__)
         return super().__new__(cls)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -290,10 +291,6 @@ class GpuckptConnector(KVConnectorBase_V1, SupportsHMA):
     @guard(lambda self: None)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._w.build_connector_worker_meta()
-
-
-def _vllm_version() -> str:
-    return str(vllm.__version__)
 
 
 class DisabledService(WorkerService):

@@ -29,9 +29,6 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-#: the runners :func:`model_runner` names
-RUNNERS = ("v1", "v2")
-
 
 def cached_blocks(pool: Any) -> Iterator[tuple[Any, Any]]:
     """Every ``(key, block)`` the block pool's prefix cache holds: a block's primary hash and its
